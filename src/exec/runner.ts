@@ -1,0 +1,125 @@
+/**
+ * The only place that runs external commands. Every command runs with an argument array (never a
+ * shell), LC_ALL=C, a timeout that never outlives the RPC that asked for it, and is killed when the
+ * RPC is cancelled. A failure becomes a CommandError carrying the exit code and stderr, which the
+ * per-call wrapper logs; callers decide what it means for the caller.
+ */
+import { execa } from 'execa';
+import path from 'node:path';
+import type { Logger } from 'pino';
+import { searchPath } from './which.js';
+
+export interface RunOptions {
+  /** Upper bound for this command; the RPC deadline lowers it further. Default 60 s. */
+  timeoutMs?: number;
+  /** Exit codes that count as success (default [0]); the result carries the actual code. */
+  okCodes?: readonly number[];
+  /** Run to completion even if the RPC that started it is cancelled (copies that a retry would redo). */
+  detached?: boolean;
+  input?: string;
+  /** A failure here is expected and handled by the caller: log it at debug, not warn. */
+  quiet?: boolean;
+}
+
+export interface RunResult {
+  exitCode: number;
+  stdout: string;
+  stderr: string;
+}
+
+/** What a command needs from the call that runs it. */
+export interface RunScope {
+  log: Logger;
+  signal?: AbortSignal;
+  /** Epoch milliseconds; Infinity when the caller set no deadline. */
+  deadline?: number;
+}
+
+export class CommandError extends Error {
+  override readonly name = 'CommandError';
+  constructor(
+    readonly command: string,
+    readonly args: readonly string[],
+    readonly exitCode: number | undefined,
+    readonly stderr: string,
+    readonly reason: 'exit' | 'timeout' | 'cancelled' | 'spawn',
+    message: string,
+  ) {
+    super(message);
+  }
+
+  /** The last non-empty line of stderr, which is where these tools put the reason. */
+  get lastStderrLine(): string {
+    const lines = this.stderr
+      .split('\n')
+      .map((l) => l.trim())
+      .filter(Boolean);
+    return lines.at(-1) ?? '';
+  }
+}
+
+export interface Runner {
+  run(scope: RunScope, command: string, args: readonly string[], options?: RunOptions): Promise<RunResult>;
+}
+
+const DEFAULT_TIMEOUT_MS = 60_000;
+/** Leave the RPC this much time to roll back after a command it ran timed out. */
+const DEADLINE_MARGIN_MS = 500;
+
+export class ExecRunner implements Runner {
+  async run(
+    scope: RunScope,
+    command: string,
+    args: readonly string[],
+    options: RunOptions = {},
+  ): Promise<RunResult> {
+    let timeout = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    if (!options.detached && scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
+      timeout = Math.min(timeout, Math.max(1, scope.deadline - Date.now() - DEADLINE_MARGIN_MS));
+    }
+    const started = performance.now();
+    const result = await execa(command, args, {
+      reject: false,
+      timeout,
+      cancelSignal: options.detached ? undefined : scope.signal,
+      forceKillAfterDelay: 2_000,
+      env: { LC_ALL: 'C', LANG: 'C', PATH: searchPath().join(path.delimiter) },
+      extendEnv: true,
+      stripFinalNewline: true,
+      input: options.input,
+      stdin: options.input === undefined ? 'ignore' : 'pipe',
+    });
+    const ms = Math.round(performance.now() - started);
+    const okCodes = options.okCodes ?? [0];
+    if (!result.failed || (result.exitCode !== undefined && okCodes.includes(result.exitCode))) {
+      scope.log.debug({ command, args, exitCode: result.exitCode, ms }, 'command finished');
+      return { exitCode: result.exitCode ?? 0, stdout: result.stdout, stderr: result.stderr };
+    }
+    const reason = result.timedOut
+      ? 'timeout'
+      : result.isCanceled
+        ? 'cancelled'
+        : result.exitCode === undefined
+          ? 'spawn'
+          : 'exit';
+    const stderr = result.stderr.trim();
+    const err = new CommandError(
+      command,
+      args,
+      result.exitCode,
+      stderr,
+      reason,
+      reason === 'exit'
+        ? `${command} exited with status ${result.exitCode}`
+        : reason === 'timeout'
+          ? `${command} timed out after ${timeout} ms`
+          : reason === 'cancelled'
+            ? `${command} was cancelled`
+            : `${command} could not be started (${result.code ?? 'unknown error'})`,
+    );
+    const line = { command, args, exitCode: result.exitCode, reason, stderr, ms };
+    if (options.quiet) scope.log.debug(line, 'command failed');
+    else scope.log.warn(line, 'command failed');
+    throw err;
+  }
+}

@@ -1,0 +1,103 @@
+// Original file: proto/csi.proto
+
+import type { Long } from '@grpc/proto-loader';
+
+/**
+ * The GetMetadataDeltaRequest message is used to solicit metadata on
+ * the data ranges that have changed between two snapshots.
+ */
+export interface GetMetadataDeltaRequest {
+  /**
+   * This is the identifier of the snapshot against which changes
+   * are to be computed.
+   * This field is REQUIRED.
+   */
+  'base_snapshot_id'?: (string);
+  /**
+   * This is the identifier of a second snapshot in the same volume,
+   * created after the base snapshot.
+   * This field is REQUIRED.
+   */
+  'target_snapshot_id'?: (string);
+  /**
+   * This indicates the zero based starting byte position in the volume
+   * snapshot from which the result should be computed.
+   * It is intended to be used to continue a previously interrupted
+   * call.
+   * The CO SHOULD specify this value to be the offset of the byte
+   * position immediately after the last byte of the last data range
+   * received, if continuing an interrupted operation, or zero if not.
+   * The SP MUST ensure that the returned response stream does not
+   * contain BlockMetadata tuples that end before the requested
+   * starting_offset: i.e. if S is the requested starting_offset, and
+   * B0 is block_metadata[0] of the first message in the response
+   * stream, then (S < B0.byte_offset + B0.size_bytes) must be true.
+   * This field is REQUIRED.
+   */
+  'starting_offset'?: (number | string | Long);
+  /**
+   * This is an optional parameter, and if non-zero it specifies the
+   * maximum number of tuples to be returned in each
+   * GetMetadataDeltaResponse message returned by the RPC stream.
+   * The plugin will determine an appropriate value if 0, and is
+   * always free to send less than the requested value.
+   * This field is OPTIONAL.
+   */
+  'max_results'?: (number);
+  /**
+   * Secrets required by plugin to complete the request.
+   * This field is OPTIONAL. Refer to the `Secrets Requirements`
+   * section on how to use this field.
+   */
+  'secrets'?: ({[key: string]: string});
+}
+
+/**
+ * The GetMetadataDeltaRequest message is used to solicit metadata on
+ * the data ranges that have changed between two snapshots.
+ */
+export interface GetMetadataDeltaRequest__Output {
+  /**
+   * This is the identifier of the snapshot against which changes
+   * are to be computed.
+   * This field is REQUIRED.
+   */
+  'base_snapshot_id': (string);
+  /**
+   * This is the identifier of a second snapshot in the same volume,
+   * created after the base snapshot.
+   * This field is REQUIRED.
+   */
+  'target_snapshot_id': (string);
+  /**
+   * This indicates the zero based starting byte position in the volume
+   * snapshot from which the result should be computed.
+   * It is intended to be used to continue a previously interrupted
+   * call.
+   * The CO SHOULD specify this value to be the offset of the byte
+   * position immediately after the last byte of the last data range
+   * received, if continuing an interrupted operation, or zero if not.
+   * The SP MUST ensure that the returned response stream does not
+   * contain BlockMetadata tuples that end before the requested
+   * starting_offset: i.e. if S is the requested starting_offset, and
+   * B0 is block_metadata[0] of the first message in the response
+   * stream, then (S < B0.byte_offset + B0.size_bytes) must be true.
+   * This field is REQUIRED.
+   */
+  'starting_offset': (string);
+  /**
+   * This is an optional parameter, and if non-zero it specifies the
+   * maximum number of tuples to be returned in each
+   * GetMetadataDeltaResponse message returned by the RPC stream.
+   * The plugin will determine an appropriate value if 0, and is
+   * always free to send less than the requested value.
+   * This field is OPTIONAL.
+   */
+  'max_results': (number);
+  /**
+   * Secrets required by plugin to complete the request.
+   * This field is OPTIONAL. Refer to the `Secrets Requirements`
+   * section on how to use this field.
+   */
+  'secrets': ({[key: string]: string});
+}

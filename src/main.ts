@@ -1,0 +1,79 @@
+#!/usr/bin/env node
+/** loopvol: parse flags, start the driver, drain and exit on SIGTERM/SIGINT. */
+import { ConfigError, helpText, parseConfig } from './config.js';
+import { startDriver } from './driver.js';
+import { createLogger } from './log.js';
+import { PoolError } from './pool/pool.js';
+import { EndpointError } from './server/server.js';
+import { driverVersion } from './version.js';
+
+function fail(message: string, code: number): never {
+  process.stderr.write(`loopvol: ${message}\n`);
+  process.exit(code);
+}
+
+async function main(): Promise<void> {
+  let parsed;
+  try {
+    parsed = parseConfig(process.argv.slice(2));
+  } catch (err) {
+    if (err instanceof ConfigError) fail(err.message, 2);
+    throw err;
+  }
+  if (parsed.kind === 'help') {
+    process.stdout.write(helpText());
+    return;
+  }
+  if (parsed.kind === 'version') {
+    process.stdout.write(`loopvol ${driverVersion()}\n`);
+    return;
+  }
+  const { config } = parsed;
+  const log = createLogger(config.logLevel, {
+    driver: config.driverName,
+    mode: config.mode,
+    node: config.nodeId,
+  });
+
+  let driver;
+  try {
+    driver = await startDriver(config, log);
+  } catch (err) {
+    if (err instanceof PoolError || err instanceof EndpointError) {
+      log.fatal({ err: err.message }, 'cannot start');
+      log.flush();
+      fail(err.message, 1);
+    }
+    throw err;
+  }
+
+  let stopping = false;
+  const onSignal = (signal: NodeJS.Signals): void => {
+    if (stopping) {
+      log.warn({ signal }, 'second signal: exiting now');
+      log.flush();
+      process.exit(1);
+    }
+    stopping = true;
+    log.info({ signal }, 'stopping: no new calls, waiting for calls in flight');
+    driver.stop().then(
+      () => {
+        log.info('stopped');
+        log.flush(() => process.exit(0));
+      },
+      (err: unknown) => {
+        log.error({ err }, 'error while stopping');
+        log.flush(() => process.exit(1));
+      },
+    );
+  };
+  process.on('SIGTERM', onSignal);
+  process.on('SIGINT', onSignal);
+}
+
+main().catch((err: unknown) => {
+  process.stderr.write(
+    `loopvol: unexpected error at startup: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`,
+  );
+  process.exit(1);
+});

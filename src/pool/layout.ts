@@ -1,0 +1,110 @@
+/**
+ * Where everything lives in a pool directory. The pool describes itself: an operator (or a later
+ * release migrating it) can read it with ls and cat.
+ *
+ *   pool.json                         {"format": 1, ...}: the layout version
+ *   volumes/<vol-id>/meta.json        the volume: name, size, filesystem, parameters, state
+ *   volumes/<vol-id>/disk.img         its disk image (sparse unless allocation=preallocate)
+ *   volumes/<vol-id>/initialized      present once a node formatted it or used it as a raw device
+ *   volumes/<vol-id>/attachments/<node>.json   ControllerPublishVolume records (the attach fence)
+ *   volumes/<vol-id>/leases/<node>.json        NodeStageVolume holds (the node-side fence)
+ *   snapshots/<snap-id>/meta.json, disk.img    point-in-time copies
+ *   groups/<group-id>/meta.json               volume group snapshots (their members are snapshots)
+ *   nodes/<node>.json                 node plugins that serve this pool, and their attach limits
+ *   nodes/<node>.attached/<vol-id>    index of volumes published to a node (counts the limit)
+ *   locks/<key>.lock                  cross-process locks
+ *   trash/                            deleted volumes and snapshots on their way out
+ */
+import path from 'node:path';
+import { isGroupSnapshotId, isNodeId, isSnapshotId, isVolumeId } from './ids.js';
+
+export const POOL_FORMAT = 1;
+
+function checked(id: string, ok: boolean, what: string): string {
+  if (!ok) throw new Error(`refusing to build a path from the ${what} ${JSON.stringify(id)}`);
+  return id;
+}
+
+export class PoolLayout {
+  constructor(readonly root: string) {}
+
+  get formatFile(): string {
+    return path.join(this.root, 'pool.json');
+  }
+  get volumesDir(): string {
+    return path.join(this.root, 'volumes');
+  }
+  get snapshotsDir(): string {
+    return path.join(this.root, 'snapshots');
+  }
+  get groupsDir(): string {
+    return path.join(this.root, 'groups');
+  }
+  get nodesDir(): string {
+    return path.join(this.root, 'nodes');
+  }
+  get locksDir(): string {
+    return path.join(this.root, 'locks');
+  }
+  get trashDir(): string {
+    return path.join(this.root, 'trash');
+  }
+
+  volumeDir(id: string): string {
+    return path.join(this.volumesDir, checked(id, isVolumeId(id), 'volume id'));
+  }
+  volumeMeta(id: string): string {
+    return path.join(this.volumeDir(id), 'meta.json');
+  }
+  volumeImage(id: string): string {
+    return path.join(this.volumeDir(id), 'disk.img');
+  }
+  volumeImageTemp(id: string): string {
+    return path.join(this.volumeDir(id), 'disk.img.partial');
+  }
+  volumeInitialized(id: string): string {
+    return path.join(this.volumeDir(id), 'initialized');
+  }
+  attachmentsDir(id: string): string {
+    return path.join(this.volumeDir(id), 'attachments');
+  }
+  attachment(id: string, node: string): string {
+    return path.join(this.attachmentsDir(id), `${checked(node, isNodeId(node), 'node id')}.json`);
+  }
+  leasesDir(id: string): string {
+    return path.join(this.volumeDir(id), 'leases');
+  }
+  lease(id: string, node: string): string {
+    return path.join(this.leasesDir(id), `${checked(node, isNodeId(node), 'node id')}.json`);
+  }
+
+  snapshotDir(id: string): string {
+    return path.join(this.snapshotsDir, checked(id, isSnapshotId(id), 'snapshot id'));
+  }
+  snapshotMeta(id: string): string {
+    return path.join(this.snapshotDir(id), 'meta.json');
+  }
+  snapshotImage(id: string): string {
+    return path.join(this.snapshotDir(id), 'disk.img');
+  }
+  snapshotImageTemp(id: string): string {
+    return path.join(this.snapshotDir(id), 'disk.img.partial');
+  }
+
+  groupDir(id: string): string {
+    return path.join(this.groupsDir, checked(id, isGroupSnapshotId(id), 'group snapshot id'));
+  }
+  groupMeta(id: string): string {
+    return path.join(this.groupDir(id), 'meta.json');
+  }
+
+  node(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.json`);
+  }
+  nodeAttachedDir(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.attached`);
+  }
+  nodeAttached(node: string, volumeId: string): string {
+    return path.join(this.nodeAttachedDir(node), checked(volumeId, isVolumeId(volumeId), 'volume id'));
+  }
+}

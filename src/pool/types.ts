@@ -1,0 +1,242 @@
+/** The records a pool keeps on disk, and their parsers (a file written by hand or by an old release is checked, never trusted). */
+import { isRecord, isStringRecord } from './fsutil.js';
+
+export const FS_TYPES = ['ext4', 'xfs', 'btrfs'] as const;
+export type FsType = (typeof FS_TYPES)[number];
+export const isFsType = (v: unknown): v is FsType =>
+  typeof v === 'string' && (FS_TYPES as readonly string[]).includes(v);
+
+export const ALLOCATIONS = ['sparse', 'preallocate'] as const;
+export type Allocation = (typeof ALLOCATIONS)[number];
+export const isAllocation = (v: unknown): v is Allocation =>
+  typeof v === 'string' && (ALLOCATIONS as readonly string[]).includes(v);
+
+export type AccessType = 'mount' | 'block';
+
+/** The access modes loopvol serves. Multi-node writers are refused: ext4/xfs/btrfs on a loop device cannot be shared. */
+export const ACCESS_MODES = [
+  'SINGLE_NODE_WRITER',
+  'SINGLE_NODE_READER_ONLY',
+  'SINGLE_NODE_SINGLE_WRITER',
+  'SINGLE_NODE_MULTI_WRITER',
+  'MULTI_NODE_READER_ONLY',
+] as const;
+export type AccessMode = (typeof ACCESS_MODES)[number];
+export const isAccessMode = (v: unknown): v is AccessMode =>
+  typeof v === 'string' && (ACCESS_MODES as readonly string[]).includes(v);
+
+export const isReaderOnly = (mode: AccessMode): boolean =>
+  mode === 'SINGLE_NODE_READER_ONLY' || mode === 'MULTI_NODE_READER_ONLY';
+export const isMultiNode = (mode: AccessMode): boolean => mode === 'MULTI_NODE_READER_ONLY';
+
+export interface Capability {
+  accessType: AccessType;
+  mode: AccessMode;
+  /** Requested filesystem for mount access; '' means the volume's own. */
+  fsType: string;
+  mountFlags: string[];
+}
+
+export interface ContentSource {
+  kind: 'snapshot' | 'volume';
+  id: string;
+}
+
+export interface VolumeMeta {
+  format: 1;
+  id: string;
+  name: string;
+  state: 'creating' | 'ready';
+  capacityBytes: number;
+  fsType: FsType;
+  allocation: Allocation;
+  capabilities: Capability[];
+  parameters: Record<string, string>;
+  mutableParameters: Record<string, string>;
+  /** The capacity_range of the CreateVolume that made it, for idempotent retries. */
+  requiredBytes: number;
+  limitBytes: number;
+  contentSource: ContentSource | null;
+  /** Keys the provisioner adds (PVC name, namespace, PV name). */
+  labels: Record<string, string>;
+  pool: string;
+  createdAt: string;
+  updatedAt: string;
+}
+
+export interface Attachment {
+  node: string;
+  readonly: boolean;
+  accessType: AccessType;
+  mode: AccessMode;
+  since: string;
+}
+
+export interface Lease {
+  node: string;
+  stagingPath: string;
+  accessType: AccessType;
+  mode: AccessMode;
+  readonly: boolean;
+  since: string;
+}
+
+export interface SnapshotMeta {
+  format: 1;
+  id: string;
+  name: string;
+  state: 'creating' | 'ready';
+  sourceVolumeId: string;
+  sizeBytes: number;
+  fsType: FsType;
+  /** Whether the source had been formatted or used raw (so a restore never gets formatted over). */
+  initialized: boolean;
+  parameters: Record<string, string>;
+  groupSnapshotId: string;
+  createdAt: string;
+}
+
+export interface GroupSnapshotMeta {
+  format: 1;
+  id: string;
+  name: string;
+  state: 'creating' | 'ready';
+  sourceVolumeIds: string[];
+  snapshotIds: string[];
+  parameters: Record<string, string>;
+  createdAt: string;
+}
+
+export interface NodeRecord {
+  node: string;
+  pool: string;
+  maxVolumes: number;
+  host: string;
+  registeredAt: string;
+}
+
+const str = (v: unknown): v is string => typeof v === 'string';
+const num = (v: unknown): v is number => typeof v === 'number' && Number.isSafeInteger(v) && v >= 0;
+
+function parseCapability(v: unknown): Capability | undefined {
+  if (!isRecord(v)) return undefined;
+  const { accessType, mode, fsType, mountFlags } = v;
+  if ((accessType !== 'mount' && accessType !== 'block') || !isAccessMode(mode) || !str(fsType))
+    return undefined;
+  if (!Array.isArray(mountFlags) || !mountFlags.every(str)) return undefined;
+  return { accessType, mode, fsType, mountFlags };
+}
+
+export function parseVolumeMeta(v: unknown): VolumeMeta | undefined {
+  if (!isRecord(v) || v.format !== 1) return undefined;
+  const caps = Array.isArray(v.capabilities) ? v.capabilities.map(parseCapability) : [];
+  const source = v.contentSource;
+  let contentSource: ContentSource | null = null;
+  if (isRecord(source)) {
+    if ((source.kind !== 'snapshot' && source.kind !== 'volume') || !str(source.id)) return undefined;
+    contentSource = { kind: source.kind, id: source.id };
+  }
+  if (
+    !str(v.id) ||
+    !str(v.name) ||
+    (v.state !== 'creating' && v.state !== 'ready') ||
+    !num(v.capacityBytes) ||
+    !isFsType(v.fsType) ||
+    !isAllocation(v.allocation) ||
+    caps.some((c) => c === undefined) ||
+    !isStringRecord(v.parameters) ||
+    !isStringRecord(v.mutableParameters) ||
+    !num(v.requiredBytes) ||
+    !num(v.limitBytes) ||
+    !isStringRecord(v.labels) ||
+    !str(v.pool) ||
+    !str(v.createdAt) ||
+    !str(v.updatedAt)
+  ) {
+    return undefined;
+  }
+  return {
+    format: 1,
+    id: v.id,
+    name: v.name,
+    state: v.state,
+    capacityBytes: v.capacityBytes,
+    fsType: v.fsType,
+    allocation: v.allocation,
+    capabilities: caps as Capability[],
+    parameters: v.parameters,
+    mutableParameters: v.mutableParameters,
+    requiredBytes: v.requiredBytes,
+    limitBytes: v.limitBytes,
+    contentSource,
+    labels: v.labels,
+    pool: v.pool,
+    createdAt: v.createdAt,
+    updatedAt: v.updatedAt,
+  };
+}
+
+export function parseAttachment(v: unknown): Attachment | undefined {
+  if (!isRecord(v)) return undefined;
+  const { node, readonly, accessType, mode, since } = v;
+  if (!str(node) || typeof readonly !== 'boolean' || (accessType !== 'mount' && accessType !== 'block'))
+    return undefined;
+  if (!isAccessMode(mode) || !str(since)) return undefined;
+  return { node, readonly, accessType, mode, since };
+}
+
+export function parseLease(v: unknown): Lease | undefined {
+  if (!isRecord(v)) return undefined;
+  const { node, stagingPath, accessType, mode, readonly, since } = v;
+  if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
+  if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
+  return { node, stagingPath, accessType, mode, readonly, since };
+}
+
+export function parseSnapshotMeta(v: unknown): SnapshotMeta | undefined {
+  if (!isRecord(v) || v.format !== 1) return undefined;
+  if (
+    !str(v.id) ||
+    !str(v.name) ||
+    (v.state !== 'creating' && v.state !== 'ready') ||
+    !str(v.sourceVolumeId) ||
+    !num(v.sizeBytes) ||
+    !isFsType(v.fsType) ||
+    typeof v.initialized !== 'boolean' ||
+    !isStringRecord(v.parameters) ||
+    !str(v.groupSnapshotId) ||
+    !str(v.createdAt)
+  ) {
+    return undefined;
+  }
+  return {
+    format: 1,
+    id: v.id,
+    name: v.name,
+    state: v.state,
+    sourceVolumeId: v.sourceVolumeId,
+    sizeBytes: v.sizeBytes,
+    fsType: v.fsType,
+    initialized: v.initialized,
+    parameters: v.parameters,
+    groupSnapshotId: v.groupSnapshotId,
+    createdAt: v.createdAt,
+  };
+}
+
+export function parseGroupSnapshotMeta(v: unknown): GroupSnapshotMeta | undefined {
+  if (!isRecord(v) || v.format !== 1) return undefined;
+  const { id, name, state, sourceVolumeIds, snapshotIds, parameters, createdAt } = v;
+  if (!str(id) || !str(name) || (state !== 'creating' && state !== 'ready')) return undefined;
+  if (!Array.isArray(sourceVolumeIds) || !sourceVolumeIds.every(str)) return undefined;
+  if (!Array.isArray(snapshotIds) || !snapshotIds.every(str)) return undefined;
+  if (!isStringRecord(parameters) || !str(createdAt)) return undefined;
+  return { format: 1, id, name, state, sourceVolumeIds, snapshotIds, parameters, createdAt };
+}
+
+export function parseNodeRecord(v: unknown): NodeRecord | undefined {
+  if (!isRecord(v)) return undefined;
+  const { node, pool, maxVolumes, host, registeredAt } = v;
+  if (!str(node) || !str(pool) || !num(maxVolumes) || !str(host) || !str(registeredAt)) return undefined;
+  return { node, pool, maxVolumes, host, registeredAt };
+}

@@ -1,0 +1,216 @@
+/**
+ * The per-call wrapper every RPC goes through: request id, validation before any side effect,
+ * in-flight keys (ABORTED for the loser), a context whose commands obey the RPC's deadline, one log
+ * line per call with duration and final code (secrets redacted), and the error → status mapping.
+ */
+import { randomBytes } from 'node:crypto';
+import type * as grpc from '@grpc/grpc-js';
+import type { Logger } from 'pino';
+import { CsiError, aborted, unimplemented } from '../errors.js';
+import { CommandError, type RunOptions, type RunResult, type Runner, type RunScope } from '../exec/runner.js';
+import { requestRedactor } from '../csi/proto.js';
+import type { InFlight } from './inflight.js';
+import { codeName, toStatus } from './status.js';
+
+export interface CallContext extends RunScope {
+  readonly reqId: string;
+  readonly method: string;
+  readonly log: Logger;
+  readonly signal: AbortSignal;
+  readonly deadline: number;
+  /** Runs a command within this call's deadline and cancellation. */
+  run(command: string, args: readonly string[], options?: RunOptions): Promise<RunResult>;
+}
+
+export interface Prepared<Res> {
+  readonly locks: readonly string[];
+  run(ctx: CallContext): Promise<Res>;
+}
+
+/** An RPC: `prepare` validates synchronously (no side effects) and names the keys to hold. */
+export interface Method<Req, Res> {
+  readonly quiet: boolean;
+  prepare(request: Req): Prepared<Res>;
+}
+
+export interface MethodDef<Req, Res, V> {
+  /** Pure request checks; throws CsiError('invalid_argument', …). */
+  validate: (request: Req) => V;
+  /** In-flight keys for the validated request. */
+  locks?: (v: V) => readonly string[];
+  run: (v: V, ctx: CallContext) => Promise<Res>;
+  /** Log at debug instead of info (polling calls such as Probe). */
+  quiet?: boolean;
+}
+
+export function method<Req, Res, V>(def: MethodDef<Req, Res, V>): Method<Req, Res> {
+  return {
+    quiet: def.quiet ?? false,
+    prepare(request) {
+      const v = def.validate(request);
+      return { locks: def.locks?.(v) ?? [], run: (ctx) => def.run(v, ctx) };
+    },
+  };
+}
+
+export interface CallObserver {
+  observe(service: string, method: string, code: string, seconds: number): void;
+}
+
+export interface CallDeps {
+  log: Logger;
+  runner: Runner;
+  inflight: InFlight;
+  observer?: CallObserver;
+  /** Tracks calls in flight so shutdown can wait for them. */
+  tracker?: { begin(): void; end(): void };
+}
+
+type UnaryHandler<Req, Res> = grpc.handleUnaryCall<Req, Res>;
+
+function subjectOf(request: unknown): Record<string, string> {
+  if (typeof request !== 'object' || request === null) return {};
+  const r = request as Record<string, unknown>;
+  const out: Record<string, string> = {};
+  for (const key of [
+    'volume_id',
+    'snapshot_id',
+    'source_volume_id',
+    'group_snapshot_id',
+    'node_id',
+    'name',
+  ]) {
+    const v = r[key];
+    if (typeof v === 'string' && v !== '') out[key] = v.length > 256 ? `${v.slice(0, 256)}…` : v;
+  }
+  return out;
+}
+
+function causeChain(err: unknown): unknown[] {
+  const out: unknown[] = [];
+  let cur: unknown = err;
+  for (let i = 0; i < 5 && cur !== undefined; i++) {
+    if (cur instanceof CommandError) {
+      out.push({
+        command: cur.command,
+        args: cur.args,
+        exitCode: cur.exitCode,
+        reason: cur.reason,
+        stderr: cur.stderr,
+      });
+    } else if (cur instanceof Error) {
+      out.push({ type: cur.name, message: cur.message, stack: cur.stack });
+    } else {
+      out.push(cur);
+    }
+    cur = cur instanceof Error ? cur.cause : undefined;
+  }
+  return out;
+}
+
+export function unaryHandler<Req, Res>(
+  service: string,
+  name: string,
+  impl: Method<Req, Res> | undefined,
+  deps: CallDeps,
+): UnaryHandler<Req, Res> {
+  const redact = requestRedactor(service, name);
+  const fullName = `${service}.${name}`;
+  return (call, callback) => {
+    const started = performance.now();
+    const reqId = randomBytes(6).toString('hex');
+    const subject = subjectOf(call.request);
+    const log = deps.log.child({ reqId, method: name, ...subject });
+    const controller = new AbortController();
+    call.on('cancelled', () => {
+      controller.abort();
+    });
+    const rawDeadline = call.getDeadline();
+    const deadline =
+      rawDeadline instanceof Date
+        ? rawDeadline.getTime()
+        : Number.isFinite(rawDeadline)
+          ? rawDeadline
+          : Infinity;
+    const ctx: CallContext = {
+      reqId,
+      method: name,
+      log,
+      signal: controller.signal,
+      deadline,
+      run: (command, args, options) => deps.runner.run(ctx, command, args, options),
+    };
+    deps.tracker?.begin();
+    let release: (() => void) | undefined;
+    const finish = (err: unknown, response?: Res): void => {
+      release?.();
+      const seconds = (performance.now() - started) / 1000;
+      const ms = Math.round(seconds * 1000);
+      if (err === undefined) {
+        const line = { ms, code: 'OK', request: redact(call.request) };
+        if (impl?.quiet) log.debug(line, 'call');
+        else log.info(line, 'call');
+        deps.observer?.observe(service, name, 'OK', seconds);
+        callback(null, response);
+      } else {
+        const mapped = toStatus(err);
+        const code = codeName(mapped.code);
+        const line = {
+          ms,
+          code,
+          error: mapped.message,
+          request: redact(call.request),
+          ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
+        };
+        if (mapped.unexpected) log.error(line, 'call failed');
+        else log.warn(line, 'call failed');
+        deps.observer?.observe(service, name, code, seconds);
+        callback({ code: mapped.code, details: mapped.message, name: code, message: mapped.message });
+      }
+      deps.tracker?.end();
+    };
+    try {
+      if (!impl) throw unimplemented(`${fullName} is not implemented by this driver.`);
+      const prepared = impl.prepare(call.request);
+      const got = deps.inflight.tryAcquire(prepared.locks, name);
+      if (typeof got !== 'function') {
+        throw aborted(`Another operation (${got.heldBy}) is in progress for ${got.key}; retry later.`);
+      }
+      release = got;
+      prepared.run(ctx).then(
+        (response) => {
+          finish(undefined, response);
+        },
+        (err: unknown) => {
+          finish(err);
+        },
+      );
+    } catch (err) {
+      finish(err);
+    }
+  };
+}
+
+type KnownKeys<T> = keyof {
+  [K in keyof T as string extends K ? never : number extends K ? never : K]: T[K];
+};
+type ReqOf<H> = H extends grpc.handleUnaryCall<infer Req, infer _Res> ? Req : never;
+type ResOf<H> = H extends grpc.handleUnaryCall<infer _Req, infer Res> ? Res : never;
+
+/** The methods of a service we implement; the rest answer UNIMPLEMENTED. */
+export type Methods<H> = { [K in KnownKeys<H>]?: Method<ReqOf<H[K]>, ResOf<H[K]>> };
+
+/** Builds the grpc-js implementation object for a service: every method wrapped, none left to chance. */
+export function buildService<H>(
+  service: string,
+  definition: grpc.ServiceDefinition,
+  methods: Methods<H>,
+  deps: CallDeps,
+): grpc.UntypedServiceImplementation {
+  const impl: grpc.UntypedServiceImplementation = {};
+  const table = methods as Record<string, Method<unknown, unknown> | undefined>;
+  for (const name of Object.keys(definition)) {
+    impl[name] = unaryHandler(service, name, table[name], deps) as grpc.UntypedHandleCall;
+  }
+  return impl;
+}

@@ -1,0 +1,60 @@
+/**
+ * The one place that maps errors to gRPC status codes. Domain errors (CsiError) carry their code and a
+ * message written for the caller. Out-of-space errors from the filesystem become RESOURCE_EXHAUSTED.
+ * Everything else is INTERNAL with a generic message; its details go to the log only.
+ */
+import { status as Code } from '@grpc/grpc-js';
+import { CommandError } from '../exec/runner.js';
+import { CsiError, type ErrorKind, isNoSpace } from '../errors.js';
+
+const KIND_TO_CODE: Record<ErrorKind, Code> = {
+  invalid_argument: Code.INVALID_ARGUMENT,
+  not_found: Code.NOT_FOUND,
+  already_exists: Code.ALREADY_EXISTS,
+  failed_precondition: Code.FAILED_PRECONDITION,
+  out_of_range: Code.OUT_OF_RANGE,
+  resource_exhausted: Code.RESOURCE_EXHAUSTED,
+  aborted: Code.ABORTED,
+  unimplemented: Code.UNIMPLEMENTED,
+  deadline_exceeded: Code.DEADLINE_EXCEEDED,
+  cancelled: Code.CANCELLED,
+  unavailable: Code.UNAVAILABLE,
+  internal: Code.INTERNAL,
+};
+
+export interface MappedStatus {
+  code: Code;
+  message: string;
+  /** True when the caller got a generic message and the log must carry the details. */
+  unexpected: boolean;
+}
+
+export function toStatus(err: unknown): MappedStatus {
+  if (err instanceof CsiError) {
+    return { code: KIND_TO_CODE[err.kind], message: err.message, unexpected: err.kind === 'internal' };
+  }
+  if (isNoSpace(err)) {
+    return {
+      code: Code.RESOURCE_EXHAUSTED,
+      message: 'The pool filesystem is out of space.',
+      unexpected: false,
+    };
+  }
+  if (err instanceof CommandError && err.reason === 'timeout') {
+    return {
+      code: Code.DEADLINE_EXCEEDED,
+      message: `The command ${err.command} did not finish in time.`,
+      unexpected: true,
+    };
+  }
+  if (err instanceof CommandError && err.reason === 'cancelled') {
+    return { code: Code.CANCELLED, message: 'The call was cancelled.', unexpected: false };
+  }
+  return {
+    code: Code.INTERNAL,
+    message: 'The driver hit an unexpected error; its log has the details.',
+    unexpected: true,
+  };
+}
+
+export const codeName = (code: Code): string => Code[code];

@@ -1,0 +1,116 @@
+/** Starts the real built driver (dist/main.js) as a child process on a temporary socket. */
+import { type ChildProcess, spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { csiClients, type CsiClients } from './grpc.js';
+
+export const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..');
+export const MAIN = path.join(REPO, 'dist', 'main.js');
+
+/** A temporary directory under /tmp, named for the test, removed by the caller's cleanup. */
+export async function tempDir(tag: string): Promise<string> {
+  return fs.mkdtemp(path.join(os.tmpdir(), `loopvol-test-${tag}-`));
+}
+
+export interface DriverProcess {
+  readonly proc: ChildProcess;
+  readonly endpoint: string;
+  readonly socket: string;
+  readonly poolDir: string;
+  readonly clients: CsiClients;
+  /** Log lines (JSON) printed so far. */
+  logs(): string[];
+  stderr(): string;
+  /** Sends a signal and waits for the exit code. */
+  stop(signal?: NodeJS.Signals): Promise<number | null>;
+  exited: Promise<number | null>;
+}
+
+export interface DriverArgs {
+  dir: string;
+  nodeId?: string;
+  mode?: 'all' | 'controller' | 'node';
+  poolDir?: string;
+  socket?: string;
+  extra?: string[];
+  logLevel?: string;
+}
+
+export function driverArgs(a: DriverArgs): { args: string[]; socket: string; poolDir: string } {
+  const socket = a.socket ?? path.join(a.dir, 'csi.sock');
+  const poolDir = a.poolDir ?? path.join(a.dir, 'pool');
+  const args = [
+    `--endpoint=unix://${socket}`,
+    `--pool-dir=${poolDir}`,
+    `--log-level=${a.logLevel ?? 'debug'}`,
+  ];
+  if (a.mode) args.push(`--mode=${a.mode}`);
+  if (a.mode !== 'controller') args.push(`--nodeid=${a.nodeId ?? 'node-1'}`);
+  args.push(...(a.extra ?? []));
+  return { args, socket, poolDir };
+}
+
+/** Runs dist/main.js with `args` to completion (for flag errors, --help). */
+export function runMain(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
+  return new Promise((resolve) => {
+    const proc = spawn(process.execPath, [MAIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    proc.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+    proc.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+    proc.on('exit', (code) => {
+      resolve({ code, stdout, stderr });
+    });
+  });
+}
+
+export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> {
+  const { args, socket, poolDir } = driverArgs(a);
+  const proc = spawn(process.execPath, [MAIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  let err = '';
+  proc.stdout.on('data', (d: Buffer) => (out += d.toString()));
+  proc.stderr.on('data', (d: Buffer) => (err += d.toString()));
+  const exited = new Promise<number | null>((resolve) =>
+    proc.on('exit', (code) => {
+      resolve(code);
+    }),
+  );
+  const endpoint = `unix://${socket}`;
+  const clients = csiClients(endpoint);
+  const deadline = Date.now() + 15_000;
+  let ready = false;
+  let exitCode: number | null | undefined;
+  void exited.then((c) => (exitCode = c));
+  while (Date.now() < deadline && exitCode === undefined) {
+    try {
+      await clients.identity.GetPluginInfo({}, { timeoutMs: 1000 });
+      ready = true;
+      break;
+    } catch {
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+  if (!ready) {
+    clients.close();
+    proc.kill('SIGKILL');
+    throw new Error(`driver did not start (exit ${String(exitCode)}): ${err}\n${out}`);
+  }
+  return {
+    proc,
+    endpoint,
+    socket,
+    poolDir,
+    clients,
+    logs: () => out.split('\n').filter(Boolean),
+    stderr: () => err,
+    exited,
+    async stop(signal: NodeJS.Signals = 'SIGTERM') {
+      clients.close();
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill(signal);
+      return exited;
+    },
+  };
+}

@@ -1,0 +1,213 @@
+/**
+ * The real binary on a real socket: flags, Identity over @grpc/grpc-js, stale and live sockets,
+ * SIGTERM, and that secrets never reach the log.
+ */
+import fs from 'node:fs/promises';
+import net from 'node:net';
+import path from 'node:path';
+import { afterAll, describe, expect, it } from 'vitest';
+import { type DriverProcess, runMain, startDriverProcess, tempDir } from '../helpers/driver.js';
+import { codeOf, errorOf } from '../helpers/grpc.js';
+
+const dirs: string[] = [];
+const drivers: DriverProcess[] = [];
+afterAll(async () => {
+  for (const d of drivers) await d.stop('SIGKILL');
+  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
+});
+
+async function dir(tag: string): Promise<string> {
+  const d = await tempDir(tag);
+  dirs.push(d);
+  return d;
+}
+
+async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
+  const d = await startDriverProcess(args);
+  drivers.push(d);
+  return d;
+}
+
+describe('flags', () => {
+  it('prints --help with every flag and exits 0', async () => {
+    const r = await runMain(['--help']);
+    expect(r.code).toBe(0);
+    for (const flag of [
+      '--endpoint',
+      '--nodeid',
+      '--mode',
+      '--driver-name',
+      '--pool-dir',
+      '--pool-name',
+      '--metrics-address',
+      '--log-level',
+    ]) {
+      expect(r.stdout).toContain(flag);
+    }
+  });
+
+  it.each([
+    [['--mode', 'node'], '--nodeid is required'],
+    [['--nodeid', 'n1', '--endpoint', 'http://127.0.0.1:1'], 'unix:// or tcp://'],
+    [['--nodeid', 'n1', '--bogus'], 'Unknown option'],
+  ])('exits non-zero with a one-line reason for %j', async (args, fragment) => {
+    const r = await runMain(args);
+    expect(r.code).toBe(2);
+    expect(r.stderr).toContain(fragment);
+    expect(r.stderr.trim().split('\n')).toHaveLength(1);
+  });
+});
+
+describe('identity over a unix socket', () => {
+  it('answers GetPluginInfo, GetPluginCapabilities and Probe', async () => {
+    const d = await driver({ dir: await dir('identity') });
+    const info = await d.clients.identity.GetPluginInfo({});
+    const pkg = JSON.parse(await fs.readFile(new URL('../../package.json', import.meta.url), 'utf8')) as {
+      version: string;
+    };
+    expect(info.name).toBe('loopvol.csi.io');
+    expect(info.vendor_version).toBe(pkg.version);
+    const caps = await d.clients.identity.GetPluginCapabilities({});
+    const services = caps.capabilities.map((c) => c.service?.type).filter(Boolean);
+    expect(services).toContain('CONTROLLER_SERVICE');
+    expect(services).toContain('VOLUME_ACCESSIBILITY_CONSTRAINTS');
+    expect(caps.capabilities.map((c) => c.volume_expansion?.type).filter(Boolean)).toEqual(['ONLINE']);
+    const probe = await d.clients.identity.Probe({});
+    expect(probe.ready?.value).toBe(true);
+  });
+
+  it('does not offer the controller service in node mode', async () => {
+    const d = await driver({ dir: await dir('nodemode'), mode: 'node' });
+    const caps = await d.clients.identity.GetPluginCapabilities({});
+    expect(caps.capabilities.map((c) => c.service?.type)).not.toContain('CONTROLLER_SERVICE');
+    expect(await codeOf(d.clients.controller.ControllerGetCapabilities({}))).toBe('UNIMPLEMENTED');
+  });
+
+  it('answers Probe with FAILED_PRECONDITION naming the problem when the pool is gone', async () => {
+    const d = await driver({ dir: await dir('probe') });
+    await fs.rm(d.poolDir, { recursive: true, force: true });
+    const err = await errorOf(d.clients.identity.Probe({}));
+    expect(err.code).toBe('FAILED_PRECONDITION');
+    expect(err.details).toContain('pool');
+    expect(d.logs().some((l) => l.includes('"method":"Probe"') && l.includes('FAILED_PRECONDITION'))).toBe(
+      true,
+    );
+  });
+
+  it('serves a custom driver name', async () => {
+    const d = await driver({ dir: await dir('name'), extra: ['--driver-name=loop.example.com'] });
+    expect((await d.clients.identity.GetPluginInfo({})).name).toBe('loop.example.com');
+  });
+});
+
+describe('the socket', () => {
+  it('creates the parent directory and removes the socket on SIGTERM, exiting 0', async () => {
+    const base = await dir('sigterm');
+    const socket = path.join(base, 'deep', 'er', 'csi.sock');
+    const d = await driver({ dir: base, socket });
+    expect((await fs.lstat(socket)).isSocket()).toBe(true);
+    expect(await d.stop('SIGTERM')).toBe(0);
+    await expect(fs.lstat(socket)).rejects.toThrow(/ENOENT/);
+  });
+
+  it('replaces a stale socket left by a killed driver', async () => {
+    const base = await dir('stale');
+    const first = await driver({ dir: base });
+    await first.stop('SIGKILL');
+    expect((await fs.lstat(first.socket)).isSocket()).toBe(true);
+    const second = await driver({ dir: base });
+    expect((await second.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
+    expect(second.logs().some((l) => l.includes('stale socket'))).toBe(true);
+  });
+
+  it('refuses to start when a live driver serves the socket', async () => {
+    const base = await dir('live');
+    const first = await driver({ dir: base });
+    const r = await runMain([
+      `--endpoint=unix://${first.socket}`,
+      '--nodeid=n2',
+      `--pool-dir=${path.join(base, 'pool2')}`,
+    ]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain('already serving');
+    expect((await first.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
+  });
+
+  it('refuses to replace a file that is not a socket', async () => {
+    const base = await dir('notsock');
+    const file = path.join(base, 'csi.sock');
+    await fs.writeFile(file, 'precious');
+    const r = await runMain([
+      `--endpoint=unix://${file}`,
+      '--nodeid=n1',
+      `--pool-dir=${path.join(base, 'pool')}`,
+    ]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain('not a socket');
+    expect(await fs.readFile(file, 'utf8')).toBe('precious');
+  });
+
+  it('serves tcp:// for debugging', async () => {
+    const base = await dir('tcp');
+    const port = await new Promise<number>((resolve) => {
+      const srv = net.createServer().listen(0, '127.0.0.1', () => {
+        const p = (srv.address() as net.AddressInfo).port;
+        srv.close(() => {
+          resolve(p);
+        });
+      });
+    });
+    const { spawn } = await import('node:child_process');
+    const { MAIN } = await import('../helpers/driver.js');
+    const proc = spawn(
+      process.execPath,
+      [MAIN, `--endpoint=tcp://127.0.0.1:${port}`, '--nodeid=n1', `--pool-dir=${base}/pool`],
+      { stdio: 'ignore' },
+    );
+    try {
+      const { csiClients } = await import('../helpers/grpc.js');
+      const c = csiClients(`127.0.0.1:${port}`);
+      let name = '';
+      for (let i = 0; i < 100 && !name; i++) {
+        name = await c.identity.GetPluginInfo({}, { timeoutMs: 500 }).then(
+          (r) => r.name,
+          () => '',
+        );
+        if (!name) await new Promise((r) => setTimeout(r, 50));
+      }
+      c.close();
+      expect(name).toBe('loopvol.csi.io');
+    } finally {
+      proc.kill('SIGTERM');
+    }
+  });
+});
+
+describe('logging', () => {
+  it('logs one line per call with method, duration and code, and never a secret', async () => {
+    const d = await driver({ dir: await dir('logs') });
+    await codeOf(
+      d.clients.controller.CreateVolume({
+        name: 'secret-test',
+        secrets: { password: 'hunter2-do-not-log' },
+        volume_capabilities: [],
+      }),
+    );
+    await codeOf(
+      d.clients.node.NodeStageVolume({ volume_id: 'x', secrets: { token: 'hunter2-do-not-log' } }),
+    );
+    await new Promise((r) => setTimeout(r, 200));
+    const lines = d.logs();
+    expect(lines.join('\n')).not.toContain('hunter2-do-not-log');
+    const create = lines
+      .map((l) => JSON.parse(l) as Record<string, unknown>)
+      .filter((l) => l.method === 'CreateVolume');
+    expect(create).toHaveLength(1);
+    expect(create[0]).toMatchObject({
+      name: 'secret-test',
+      code: expect.any(String) as unknown,
+      ms: expect.any(Number) as unknown,
+    });
+    expect(JSON.stringify(create[0])).toContain('[REDACTED]');
+  });
+});
