@@ -6,7 +6,10 @@ import type http from 'node:http';
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { type Config, servesController, servesNode } from './config.js';
+import { controllerService } from './csi/controller.js';
+import { groupService } from './csi/group.js';
 import { identityService } from './csi/identity.js';
+import { nodeService } from './csi/node.js';
 import { csiProto } from './csi/proto.js';
 import { ExecRunner, type Runner } from './exec/runner.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
@@ -15,11 +18,29 @@ import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
 import { readinessProblem } from './health.js';
 import { Metrics, serveMetrics } from './metrics.js';
+import { HostFreezer, thawPoolFilesystems } from './host/freeze.js';
+import { Capacity } from './pool/capacity.js';
+import { NodeRegistry } from './pool/nodes.js';
 import { Pool } from './pool/pool.js';
-import { buildService, type CallDeps, type Methods } from './server/call.js';
+import { SnapshotStore } from './pool/snapshots.js';
+import { VolumeStore } from './pool/volumes.js';
+import { buildService, type CallContext, type CallDeps } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { listen, stop } from './server/server.js';
 import { driverVersion } from './version.js';
+
+/** A context for work the driver does on its own behalf (startup), outside any RPC. */
+export function startupContext(log: Logger, runner: Runner): CallContext {
+  const ctx: CallContext = {
+    reqId: 'startup',
+    method: 'startup',
+    log,
+    signal: new AbortController().signal,
+    deadline: Number.POSITIVE_INFINITY,
+    run: (command, args, options) => runner.run(ctx, command, args, options),
+  };
+  return ctx;
+}
 
 export interface DriverOptions {
   runner?: Runner;
@@ -38,7 +59,10 @@ export async function startDriver(
 ): Promise<RunningDriver> {
   const pool = await Pool.open(config.poolDir, config.poolName, log);
   const runner = options.runner ?? new ExecRunner();
-  const metrics = config.metricsAddress ? new Metrics() : undefined;
+  const capacityProbe = servesController(config)
+    ? () => new Capacity(pool.layout, config.overcommitRatio).report()
+    : undefined;
+  const metrics = config.metricsAddress ? new Metrics(capacityProbe) : undefined;
   let active = 0;
   const deps: CallDeps = {
     log,
@@ -66,9 +90,14 @@ export async function startDriver(
       deps,
     ),
   );
+  const capacity = new Capacity(pool.layout, config.overcommitRatio);
+  const nodes = new NodeRegistry(pool.layout);
+  const volumes = new VolumeStore(pool, capacity, nodes, log);
+  const snapshots = new SnapshotStore(pool, log);
+  const freezer = new HostFreezer();
   if (servesController(config)) {
-    const controller: Methods<ControllerHandlers> = {};
-    const group: Methods<GroupControllerHandlers> = {};
+    const controller = controllerService({ config, pool, volumes, snapshots, nodes, capacity, freezer });
+    const group = groupService({ pool, volumes, snapshots, freezer });
     server.addService(
       proto.Controller.service,
       buildService<ControllerHandlers>('Controller', proto.Controller.service, controller, deps),
@@ -79,7 +108,11 @@ export async function startDriver(
     );
   }
   if (servesNode(config)) {
-    const node: Methods<NodeHandlers> = {};
+    const nodeId = config.nodeId;
+    if (nodeId === undefined) throw new Error('the node service needs --nodeid');
+    await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
+    await thawPoolFilesystems(startupContext(log, runner), pool.root);
+    const node = nodeService({ config: { ...config, nodeId }, volumes, nodes });
     server.addService(proto.Node.service, buildService<NodeHandlers>('Node', proto.Node.service, node, deps));
   }
 
@@ -96,7 +129,6 @@ export async function startDriver(
   log.info(
     {
       endpoint: config.endpoint,
-      mode: config.mode,
       pool: pool.root,
       poolName: config.poolName,
       version: driverVersion(),

@@ -9,6 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { aborted, errnoCode } from '../errors.js';
+import { failpoint } from '../failpoints.js';
 import { createExclusive, fsyncDir, isRecord, listDir, readJson } from './fsutil.js';
 import { POOL_FORMAT, PoolLayout } from './layout.js';
 import { isHeld, LockManager } from './lock.js';
@@ -107,6 +108,7 @@ export class Pool {
       throw err;
     }
     await fsyncDir(path.dirname(dir));
+    failpoint('discard:moved');
     await fs.rm(target, { recursive: true, force: true });
   }
 

@@ -33,7 +33,10 @@ export function toStatus(err: unknown): MappedStatus {
   if (err instanceof CsiError) {
     return { code: KIND_TO_CODE[err.kind], message: err.message, unexpected: err.kind === 'internal' };
   }
-  if (isNoSpace(err)) {
+  if (
+    isNoSpace(err) ||
+    (err instanceof CommandError && /No space left on device|Disk quota exceeded/i.test(err.stderr))
+  ) {
     return {
       code: Code.RESOURCE_EXHAUSTED,
       message: 'The pool filesystem is out of space.',

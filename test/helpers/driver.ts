@@ -36,6 +36,7 @@ export interface DriverArgs {
   socket?: string;
   extra?: string[];
   logLevel?: string;
+  env?: Record<string, string>;
 }
 
 export function driverArgs(a: DriverArgs): { args: string[]; socket: string; poolDir: string } {
@@ -68,7 +69,10 @@ export function runMain(args: string[]): Promise<{ code: number | null; stdout: 
 
 export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> {
   const { args, socket, poolDir } = driverArgs(a);
-  const proc = spawn(process.execPath, [MAIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const proc = spawn(process.execPath, [MAIN, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, ...a.env },
+  });
   let out = '';
   let err = '';
   proc.stdout.on('data', (d: Buffer) => (out += d.toString()));

@@ -26,6 +26,18 @@ describe('toStatus', () => {
     }
   });
 
+  it('maps a command that ran out of space to RESOURCE_EXHAUSTED', () => {
+    const err = new CommandError(
+      'cp',
+      ['a', 'b'],
+      1,
+      "cp: error writing 'b': No space left on device",
+      'exit',
+      'cp failed',
+    );
+    expect(toStatus(err).code).toBe(status.RESOURCE_EXHAUSTED);
+  });
+
   it('hides unexpected errors behind a generic INTERNAL message', () => {
     const s = toStatus(
       new TypeError('cannot read properties of undefined (reading "x") at /src/secret/path.ts:12'),

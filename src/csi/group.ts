@@ -1,0 +1,168 @@
+/**
+ * The CSI GroupController service: volume group snapshots. All members are copied while every source
+ * is locked and frozen (where mounted on this host), so they stand for one instant. A group that a
+ * crash interrupted is redone whole on retry: keeping the members already copied would mix instants.
+ */
+import { alreadyExists, invalidArgument, notFound } from '../errors.js';
+import type { GroupControllerHandlers } from '../gen/csi/v1/GroupController.js';
+import type { VolumeGroupSnapshot } from '../gen/csi/v1/VolumeGroupSnapshot.js';
+import { copyImage } from '../pool/images.js';
+import { groupSnapshotIdForName, isGroupSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
+import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.js';
+import type { SnapshotStore } from '../pool/snapshots.js';
+import { method, type Methods } from '../server/call.js';
+import { type CopyDeps, withVolumesQuiesced } from './consistency.js';
+import { parseSnapshotParameters } from './controller.js';
+import { snapshotMessage, timestamp } from './messages.js';
+import { requireField } from './validate.js';
+
+export interface GroupDeps extends CopyDeps {
+  snapshots: SnapshotStore;
+}
+
+const memberName = (groupId: string, volumeId: string): string => `${groupId}/${volumeId}`;
+
+function sameSet(a: readonly string[], b: readonly string[]): boolean {
+  const sa = [...new Set(a)].sort();
+  const sb = [...new Set(b)].sort();
+  return sa.length === sb.length && sa.every((x, i) => x === sb[i]);
+}
+
+export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
+  const { snapshots, volumes } = d;
+
+  async function groupMessage(group: GroupSnapshotMeta): Promise<VolumeGroupSnapshot> {
+    const members: SnapshotMeta[] = [];
+    for (const id of group.snapshotIds) {
+      const s = await snapshots.get(id);
+      if (s) members.push(s);
+    }
+    return {
+      group_snapshot_id: group.id,
+      snapshots: members.map(snapshotMessage),
+      creation_time: timestamp(group.createdAt),
+      ready_to_use: group.state === 'ready' && members.length === group.snapshotIds.length,
+    };
+  }
+
+  function checkListed(group: GroupSnapshotMeta, listed: readonly string[]): void {
+    if (listed.length > 0 && !sameSet(listed, group.snapshotIds)) {
+      throw invalidArgument(`snapshot_ids do not match the members of group snapshot ${group.id}.`);
+    }
+  }
+
+  return {
+    GroupControllerGetCapabilities: method({
+      validate: () => null,
+      quiet: true,
+      run: () =>
+        Promise.resolve({ capabilities: [{ rpc: { type: 'CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT' } }] }),
+    }),
+
+    CreateVolumeGroupSnapshot: method({
+      validate: (req) => {
+        const name = requireField(req.name, 'name');
+        if (req.source_volume_ids.length === 0) throw invalidArgument('source_volume_ids is required.');
+        for (const id of req.source_volume_ids) requireField(id, 'source_volume_ids[]');
+        if (new Set(req.source_volume_ids).size !== req.source_volume_ids.length) {
+          throw invalidArgument('source_volume_ids lists a volume twice.');
+        }
+        return {
+          name,
+          id: groupSnapshotIdForName(name),
+          sources: [...req.source_volume_ids],
+          parameters: parseSnapshotParameters(req.parameters),
+        };
+      },
+      locks: (v) => [v.id, ...v.sources],
+      run: async (v, ctx) => {
+        const existing = await snapshots.readGroup(v.id);
+        if (existing?.state === 'ready') {
+          if (!sameSet(existing.sourceVolumeIds, v.sources)) {
+            throw alreadyExists(
+              `A group snapshot named ${JSON.stringify(v.name)} already exists, of other volumes.`,
+            );
+          }
+          return { group_snapshot: await groupMessage(existing) };
+        }
+        const sources: VolumeMeta[] = [];
+        for (const id of v.sources) {
+          const meta = isVolumeId(id) ? await volumes.get(id) : undefined;
+          if (!meta) throw notFound(`Volume ${id} does not exist.`);
+          sources.push(meta);
+        }
+        if (existing) {
+          ctx.log.warn({ groupSnapshotId: v.id }, 'redoing an interrupted group snapshot from scratch');
+          await snapshots.deleteGroup(v.id, existing.snapshotIds);
+        }
+        const memberIds = sources.map((s) => snapshotIdForName(memberName(v.id, s.id)));
+        const group: GroupSnapshotMeta = {
+          format: 1,
+          id: v.id,
+          name: v.name,
+          state: 'creating',
+          sourceVolumeIds: v.sources,
+          snapshotIds: memberIds,
+          parameters: v.parameters,
+          createdAt: new Date().toISOString(),
+        };
+        await snapshots.writeGroup(group);
+        const takenAt = await withVolumesQuiesced(ctx, d, v.sources, async (at) => {
+          for (const [i, src] of sources.entries()) {
+            const member: SnapshotMeta = {
+              format: 1,
+              id: memberIds[i] ?? '',
+              name: memberName(v.id, src.id),
+              state: 'creating',
+              sourceVolumeId: src.id,
+              sizeBytes: src.capacityBytes,
+              fsType: src.fsType,
+              initialized: await volumes.isInitialized(src.id),
+              parameters: v.parameters,
+              groupSnapshotId: v.id,
+              createdAt: at.toISOString(),
+            };
+            await snapshots.create(member, async (image) => {
+              await copyImage(ctx, volumes.imagePath(src.id), image);
+              return { takenAt: at, sizeBytes: src.capacityBytes };
+            });
+          }
+          return at;
+        });
+        const ready: GroupSnapshotMeta = { ...group, state: 'ready', createdAt: takenAt.toISOString() };
+        await snapshots.writeGroup(ready);
+        ctx.log.info({ groupSnapshotId: v.id, members: memberIds.length }, 'created group snapshot');
+        return { group_snapshot: await groupMessage(ready) };
+      },
+    }),
+
+    DeleteVolumeGroupSnapshot: method({
+      validate: (req) => ({
+        id: requireField(req.group_snapshot_id, 'group_snapshot_id'),
+        listed: req.snapshot_ids,
+      }),
+      locks: (v) => [v.id],
+      run: async ({ id, listed }) => {
+        const group = isGroupSnapshotId(id) ? await snapshots.readGroup(id) : undefined;
+        if (!group) return {};
+        checkListed(group, listed);
+        await snapshots.deleteGroup(id, group.snapshotIds);
+        return {};
+      },
+    }),
+
+    GetVolumeGroupSnapshot: method({
+      validate: (req) => ({
+        id: requireField(req.group_snapshot_id, 'group_snapshot_id'),
+        listed: req.snapshot_ids,
+      }),
+      quiet: true,
+      run: async ({ id, listed }) => {
+        const group = isGroupSnapshotId(id) ? await snapshots.readGroup(id) : undefined;
+        if (group?.state !== 'ready') throw notFound(`Group snapshot ${id} does not exist.`);
+        checkListed(group, listed);
+        return { group_snapshot: await groupMessage(group) };
+      },
+    }),
+  };
+}

@@ -1,0 +1,249 @@
+/**
+ * Filesystems on a device: what is there (blkid -p decides), formatting a blank device (only), checking
+ * an existing one, reading its size from the superblock, and growing it offline or online.
+ */
+import fs from 'node:fs/promises';
+import { CommandError } from '../exec/runner.js';
+import { failedPrecondition } from '../errors.js';
+import type { FsType } from '../pool/types.js';
+import type { CallContext } from '../server/call.js';
+
+export type DeviceContent =
+  { kind: 'blank' } | { kind: 'filesystem'; type: string } | { kind: 'other'; what: string };
+
+/** blkid -p: exit 2 means no signature at all; a partition table or an ambiguous probe is "other". */
+export async function probeDevice(ctx: CallContext, device: string): Promise<DeviceContent> {
+  const { exitCode, stdout } = await ctx.run('blkid', ['-p', '-o', 'export', device], {
+    okCodes: [0, 2, 8],
+    timeoutMs: 30_000,
+  });
+  if (exitCode === 2) return { kind: 'blank' };
+  if (exitCode === 8) return { kind: 'other', what: 'several conflicting signatures' };
+  const tags = Object.fromEntries(
+    stdout
+      .split('\n')
+      .map((l) => l.split('='))
+      .filter((kv): kv is [string, string] => kv.length >= 2 && kv[0] !== undefined && kv[1] !== undefined)
+      .map(([k, ...v]) => [k, v.join('=')]),
+  ) as Record<string, string | undefined>;
+  if (tags.PTTYPE) return { kind: 'other', what: `a ${tags.PTTYPE} partition table` };
+  if (tags.TYPE && tags.USAGE !== 'filesystem' && tags.USAGE !== undefined) {
+    return { kind: 'other', what: `a ${tags.TYPE} signature (${tags.USAGE})` };
+  }
+  if (tags.TYPE) return { kind: 'filesystem', type: tags.TYPE };
+  return { kind: 'other', what: 'an unrecognized signature' };
+}
+
+/**
+ * mkfs options for fresh sparse images (see bench/README.md for the measurements):
+ *  - no discard pass: the image is already sparse, discarding it only costs time;
+ *  - ext4: assume_storage_prezeroed (the image reads as zeros), so neither mkfs nor the kernel's
+ *    lazy-init thread writes the inode tables, which would allocate ~2% of the image for nothing;
+ *    no reserved blocks (-m 0): there is no root-owned daemon to reserve them for;
+ *  - no force flags: if mkfs finds a signature blkid missed, it refuses, which is what we want.
+ */
+function mkfsCommand(fsType: FsType, device: string, prezeroed: boolean): [string, string[]] {
+  switch (fsType) {
+    case 'ext4':
+      return [
+        'mkfs.ext4',
+        [
+          '-q',
+          '-b',
+          '4096',
+          '-m',
+          '0',
+          '-E',
+          prezeroed ? 'nodiscard,assume_storage_prezeroed=1' : 'nodiscard,lazy_itable_init=1',
+          device,
+        ],
+      ];
+    case 'xfs':
+      return ['mkfs.xfs', ['-q', '-K', device]];
+    case 'btrfs':
+      return ['mkfs.btrfs', ['-q', '-K', device]];
+  }
+}
+
+export async function formatDevice(ctx: CallContext, fsType: FsType, device: string): Promise<void> {
+  const [cmd, args] = mkfsCommand(fsType, device, true);
+  try {
+    await ctx.run(cmd, args, { timeoutMs: 10 * 60_000 });
+  } catch (err) {
+    // e2fsprogs older than 1.47 does not know assume_storage_prezeroed.
+    if (
+      fsType === 'ext4' &&
+      err instanceof CommandError &&
+      /assume_storage_prezeroed|Bad option/i.test(err.stderr)
+    ) {
+      const [cmd2, args2] = mkfsCommand(fsType, device, false);
+      await ctx.run(cmd2, args2, { timeoutMs: 10 * 60_000 });
+      return;
+    }
+    throw err;
+  }
+}
+
+/**
+ * Checks a filesystem before mounting it, repairing what is safe to repair unattended (fsck -a).
+ * XFS and btrfs repair themselves at mount (log replay); their offline repair tools are not for
+ * unattended use, so they are not run here.
+ */
+export async function checkFilesystem(
+  ctx: CallContext,
+  fsType: FsType,
+  device: string,
+  force = false,
+): Promise<void> {
+  if (fsType !== 'ext4') return;
+  const args = force ? ['-f', '-p', device] : ['-p', device];
+  const { exitCode } = await ctx.run('e2fsck', args, { okCodes: [0, 1, 2, 4, 8], timeoutMs: 30 * 60_000 });
+  if (exitCode >= 4) {
+    throw failedPrecondition(
+      `The ext4 filesystem on ${device} has errors that need a manual e2fsck (exit status ${exitCode}); it was not mounted.`,
+    );
+  }
+}
+
+/** Reads `length` bytes at `offset` from a device. */
+async function readAt(device: string, offset: number, length: number): Promise<Buffer> {
+  const handle = await fs.open(device, 'r');
+  try {
+    const buf = Buffer.alloc(length);
+    const { bytesRead } = await handle.read(buf, 0, length, offset);
+    return buf.subarray(0, bytesRead);
+  } finally {
+    await handle.close();
+  }
+}
+
+/**
+ * The size the filesystem on `device` believes it has, from its superblock. Only for a filesystem that
+ * is not mounted, or after the device's buffers were flushed (xfs writes its superblock around the page cache).
+ */
+export async function filesystemSize(fsType: FsType, device: string): Promise<number | undefined> {
+  switch (fsType) {
+    case 'ext4': {
+      const sb = await readAt(device, 1024, 1024);
+      if (sb.length < 1024 || sb.readUInt16LE(0x38) !== 0xef53) return undefined;
+      const blockSize = 1024 * 2 ** sb.readUInt32LE(0x18);
+      const lo = sb.readUInt32LE(0x04);
+      const incompat = sb.readUInt32LE(0x60);
+      const hi = incompat & 0x80 ? sb.readUInt32LE(0x150) : 0;
+      return (hi * 2 ** 32 + lo) * blockSize;
+    }
+    case 'xfs': {
+      const sb = await readAt(device, 0, 512);
+      if (sb.length < 512 || sb.toString('latin1', 0, 4) !== 'XFSB') return undefined;
+      const blockSize = sb.readUInt32BE(4);
+      const dblocks = Number(sb.readBigUInt64BE(8));
+      return dblocks * blockSize;
+    }
+    case 'btrfs': {
+      const sb = await readAt(device, 0x10000, 4096);
+      if (sb.length < 4096 || sb.toString('latin1', 0x40, 0x48) !== '_BHRfS_M') return undefined;
+      return Number(sb.readBigUInt64LE(0x70));
+    }
+  }
+}
+
+/**
+ * The size a mounted filesystem has now, as the filesystem itself reports it (its on-disk superblock
+ * can lag behind: xfs logs a grow and writes the superblock back later).
+ */
+export async function mountedFilesystemSize(
+  ctx: CallContext,
+  fsType: FsType,
+  device: string,
+  mountPoint: string,
+): Promise<number | undefined> {
+  switch (fsType) {
+    case 'ext4':
+      await flushDeviceBuffers(ctx, device);
+      return filesystemSize('ext4', device);
+    case 'xfs': {
+      const { stdout } = await ctx.run('xfs_growfs', ['-n', mountPoint], { timeoutMs: 30_000 });
+      const m = /^data\s+=\s+bsize=(\d+)\s+blocks=(\d+)/m.exec(stdout);
+      return m?.[1] && m[2] ? Number(m[1]) * Number(m[2]) : undefined;
+    }
+    case 'btrfs': {
+      const { stdout } = await ctx.run('btrfs', ['filesystem', 'show', '--raw', mountPoint], {
+        timeoutMs: 30_000,
+      });
+      const sizes = [...stdout.matchAll(/devid\s+\d+\s+size\s+(\d+)/g)].map((m) => Number(m[1]));
+      return sizes.length > 0 ? sizes.reduce((a, b) => a + b, 0) : undefined;
+    }
+  }
+}
+
+/** Drops the device's cached pages so a superblock read sees the disk. */
+export async function flushDeviceBuffers(ctx: CallContext, device: string): Promise<void> {
+  await ctx.run('blockdev', ['--flushbufs', device], { timeoutMs: 30_000 });
+}
+
+/** How much smaller than its device a filesystem may be and still count as filling it. */
+export function growthSlack(deviceBytes: number): number {
+  return 4 * 2 ** 20 + Math.floor(deviceBytes * 0.005);
+}
+
+/** Grows an unmounted ext4 filesystem to fill its device (resize2fs wants a forced check first). */
+export async function growExt4Offline(ctx: CallContext, device: string): Promise<void> {
+  await checkFilesystem(ctx, 'ext4', device, true);
+  await ctx.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+}
+
+export class OnlineGrowthUnsupported extends Error {
+  override readonly name = 'OnlineGrowthUnsupported';
+}
+
+/** Grows a mounted filesystem to fill its device. */
+export async function growOnline(
+  ctx: CallContext,
+  fsType: FsType,
+  device: string,
+  mountPoint: string,
+): Promise<void> {
+  switch (fsType) {
+    case 'ext4':
+      try {
+        await ctx.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+      } catch (err) {
+        if (
+          err instanceof CommandError &&
+          /Permission denied to resize|Operation not permitted/i.test(err.stderr)
+        ) {
+          throw new OnlineGrowthUnsupported(
+            'growing a mounted ext4 filesystem needs CAP_SYS_RESOURCE, which this container does not have',
+          );
+        }
+        throw err;
+      }
+      return;
+    case 'xfs':
+      await ctx.run('xfs_growfs', [mountPoint], { timeoutMs: 30 * 60_000 });
+      return;
+    case 'btrfs':
+      await ctx.run('btrfs', ['filesystem', 'resize', 'max', mountPoint], { timeoutMs: 30 * 60_000 });
+      return;
+  }
+}
+
+/** Total and free bytes and inodes of a mounted filesystem. */
+export async function filesystemUsage(mountPoint: string): Promise<{
+  totalBytes: number;
+  availableBytes: number;
+  usedBytes: number;
+  totalInodes: number;
+  freeInodes: number;
+}> {
+  const st = await fs.statfs(mountPoint);
+  const totalBytes = st.blocks * st.bsize;
+  const availableBytes = st.bavail * st.bsize;
+  return {
+    totalBytes,
+    availableBytes,
+    usedBytes: Math.max(0, (st.blocks - st.bfree) * st.bsize),
+    totalInodes: st.files,
+    freeInodes: st.ffree,
+  };
+}

@@ -1,0 +1,148 @@
+/**
+ * What the pool can still honour. A sparse image promises its whole size but occupies only what was
+ * written; what it may still claim (size - allocated) is its promise. The pool may promise R times its
+ * free space (--overcommit-ratio R; R = 1 never promises space that is not there):
+ *
+ *   promised <= R * free
+ *
+ * so a new sparse volume of size S fits while S <= R * free - promised, and a preallocated one (which
+ * takes S from free at once and promises nothing) while S <= free - promised / R. GetCapacity reports
+ * the first for sparse requests and the second for allocation=preallocate.
+ *
+ * Summing over every image is O(volumes), so the sum is cached for a few seconds and this process's
+ * own creates, deletes and expansions adjust it in between; the free space is read fresh each time.
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { resourceExhausted } from '../errors.js';
+import { listDir } from './fsutil.js';
+import { isVolumeId } from './ids.js';
+import type { PoolLayout } from './layout.js';
+
+const SCAN_TTL_MS = 5_000;
+const SCAN_BATCH = 128;
+
+export interface CapacityReport {
+  totalBytes: number;
+  freeBytes: number;
+  promisedBytes: number;
+  /** The largest sparse volume that fits now. */
+  availableBytes: number;
+  /** The largest preallocated volume that fits now. */
+  availablePreallocatedBytes: number;
+}
+
+export type Reservation = 'sparse' | 'preallocate';
+
+export class Capacity {
+  private scan: { promised: number; startedAt: number } | undefined;
+  private scanning: Promise<{ promised: number; startedAt: number }> | undefined;
+  /** Changes this process made, with when, so a scan that predates them does not lose them. */
+  private adjustments: { at: number; bytes: number }[] = [];
+  /** Reservations for volumes being made: promises (sparse) and blocks about to be taken (preallocated). */
+  private pendingPromise = 0;
+  private pendingBlocks = 0;
+
+  constructor(
+    private readonly layout: PoolLayout,
+    private readonly ratio: number,
+  ) {}
+
+  private async scanPromises(): Promise<{ promised: number; startedAt: number }> {
+    const startedAt = Date.now();
+    const ids = (await listDir(this.layout.volumesDir)).filter(isVolumeId);
+    let promised = 0;
+    for (let i = 0; i < ids.length; i += SCAN_BATCH) {
+      const stats = await Promise.all(
+        ids
+          .slice(i, i + SCAN_BATCH)
+          .map((id) => fs.stat(path.join(this.layout.volumesDir, id, 'disk.img')).catch(() => undefined)),
+      );
+      for (const st of stats) if (st) promised += Math.max(0, st.size - st.blocks * 512);
+    }
+    return { promised, startedAt };
+  }
+
+  private async scanned(): Promise<number> {
+    let scan = this.scan;
+    if (!scan || Date.now() - scan.startedAt > SCAN_TTL_MS) {
+      this.scanning ??= this.scanPromises().finally(() => {
+        this.scanning = undefined;
+      });
+      const result = await this.scanning;
+      if (!this.scan || result.startedAt >= this.scan.startedAt) {
+        this.scan = result;
+        this.adjustments = this.adjustments.filter((a) => a.at >= result.startedAt);
+      }
+      scan = this.scan;
+    }
+    return scan.promised;
+  }
+
+  /** Reads the filesystem, then computes synchronously so concurrent reservations see each other. */
+  private async measure(): Promise<() => CapacityReport> {
+    const st = await fs.statfs(this.layout.root);
+    const scanned = await this.scanned();
+    return () => {
+      const totalBytes = st.blocks * st.bsize;
+      const freeBytes = st.bavail * st.bsize;
+      const free = freeBytes - this.pendingBlocks;
+      const promisedBytes = Math.max(
+        0,
+        scanned + this.adjustments.reduce((sum, a) => sum + a.bytes, 0) + this.pendingPromise,
+      );
+      const availableBytes = Math.max(0, Math.floor(this.ratio * free - promisedBytes));
+      const availablePreallocatedBytes = Math.max(0, Math.floor(free - promisedBytes / this.ratio));
+      return { totalBytes, freeBytes, promisedBytes, availableBytes, availablePreallocatedBytes };
+    };
+  }
+
+  async report(): Promise<CapacityReport> {
+    return (await this.measure())();
+  }
+
+  /**
+   * Reserves `bytes` for a volume about to be made, or throws RESOURCE_EXHAUSTED. The returned function
+   * settles the reservation: `promisedAfter` is what the finished volume still promises (its unwritten
+   * size), or undefined when it was not made.
+   */
+  async reserve(
+    bytes: number,
+    kind: Reservation,
+    what: string,
+  ): Promise<(promisedAfter: number | undefined) => void> {
+    const report = (await this.measure())();
+    const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
+    if (bytes > room) {
+      throw resourceExhausted(
+        `The pool has room for ${formatBytes(room)}${kind === 'preallocate' ? ' preallocated' : ''}, not enough for ${what} of ${formatBytes(bytes)}.`,
+      );
+    }
+    if (kind === 'sparse') this.pendingPromise += bytes;
+    else this.pendingBlocks += bytes;
+    let settled = false;
+    return (promisedAfter) => {
+      if (settled) return;
+      settled = true;
+      if (kind === 'sparse') this.pendingPromise -= bytes;
+      else this.pendingBlocks -= bytes;
+      if (promisedAfter !== undefined && promisedAfter !== 0) this.adjust(promisedAfter);
+    };
+  }
+
+  /** Records a change in promised bytes made by this process (negative when a volume goes away). */
+  adjust(bytes: number): void {
+    this.adjustments.push({ at: Date.now(), bytes });
+  }
+}
+
+export function formatBytes(n: number): string {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+  let v = n;
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return `${Number.isInteger(v) ? v : v.toFixed(1)} ${units[i] ?? 'B'}`;
+}

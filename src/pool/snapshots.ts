@@ -1,0 +1,157 @@
+/**
+ * Snapshots and volume group snapshots: point-in-time copies of volume images, independent of their
+ * source (deleting the volume leaves them usable). Crash-safe like volumes: a directory named by the
+ * id derived from the CO's name, meta.json "creating" until the copy is complete and durable, then
+ * "ready"; a retry discards a "creating" leftover and copies again.
+ */
+import fs from 'node:fs/promises';
+import type { Logger } from 'pino';
+import { invalidArgument } from '../errors.js';
+import { failpoint } from '../failpoints.js';
+import { exists, fsyncDir, listDir, readJson, writeFileAtomic } from './fsutil.js';
+import { isGroupSnapshotId, isSnapshotId } from './ids.js';
+import type { Pool } from './pool.js';
+import {
+  type GroupSnapshotMeta,
+  parseGroupSnapshotMeta,
+  parseSnapshotMeta,
+  type SnapshotMeta,
+} from './types.js';
+
+const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
+const LIST_BATCH = 256;
+
+export class SnapshotStore {
+  constructor(
+    private readonly pool: Pool,
+    private readonly log: Logger,
+  ) {}
+
+  private get layout() {
+    return this.pool.layout;
+  }
+
+  imagePath(id: string): string {
+    return this.layout.snapshotImage(id);
+  }
+
+  async read(id: string): Promise<SnapshotMeta | undefined> {
+    if (!isSnapshotId(id)) return undefined;
+    const raw = await readJson(this.layout.snapshotMeta(id));
+    if (raw === undefined) return undefined;
+    const meta = parseSnapshotMeta(raw);
+    if (!meta)
+      this.log.error({ snapshotId: id }, 'snapshot metadata is unreadable; treating the snapshot as absent');
+    return meta;
+  }
+
+  async get(id: string): Promise<SnapshotMeta | undefined> {
+    const meta = await this.read(id);
+    return meta?.state === 'ready' ? meta : undefined;
+  }
+
+  /**
+   * Creates the snapshot `meta` describes, or returns the complete one already under its id. `copy`
+   * writes the image at the path it is given and returns the instant it stands for and its size.
+   */
+  async create(
+    meta: SnapshotMeta,
+    copy: (imagePath: string) => Promise<{ takenAt: Date; sizeBytes: number }>,
+  ): Promise<{ snapshot: SnapshotMeta; created: boolean }> {
+    const { id } = meta;
+    return this.pool.withLock(id, 'CreateSnapshot', async () => {
+      const existing = await this.read(id);
+      if (existing?.state === 'ready') return { snapshot: existing, created: false };
+      const dir = this.layout.snapshotDir(id);
+      if (await exists(dir)) {
+        this.log.warn({ snapshotId: id }, 'discarding an interrupted snapshot before retrying it');
+        await this.pool.discard(dir);
+      }
+      try {
+        await fs.mkdir(dir, { mode: 0o750 });
+        await fsyncDir(this.layout.snapshotsDir);
+        await writeFileAtomic(this.layout.snapshotMeta(id), json({ ...meta, state: 'creating' }));
+        const partial = this.layout.snapshotImageTemp(id);
+        const { takenAt, sizeBytes } = await copy(partial);
+        failpoint('create-snapshot:image-written');
+        await fs.rename(partial, this.layout.snapshotImage(id));
+        await fsyncDir(dir);
+        const ready: SnapshotMeta = { ...meta, state: 'ready', sizeBytes, createdAt: takenAt.toISOString() };
+        await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));
+        return { snapshot: ready, created: true };
+      } catch (err) {
+        await this.pool.discard(dir).catch((cleanupErr: unknown) => {
+          this.log.error({ snapshotId: id, err: cleanupErr }, 'could not remove a failed snapshot');
+        });
+        throw err;
+      }
+    });
+  }
+
+  /**
+   * Deletes a snapshot; absent is success. A member of a group snapshot goes only with its group
+   * (INVALID_ARGUMENT, as the spec asks), unless `fromGroup` names that group.
+   */
+  async delete(id: string, fromGroup?: string): Promise<void> {
+    if (!isSnapshotId(id)) return;
+    await this.pool.withLock(id, 'DeleteSnapshot', async () => {
+      const meta = await this.read(id);
+      if (
+        meta?.groupSnapshotId &&
+        meta.groupSnapshotId !== fromGroup &&
+        (await this.readGroup(meta.groupSnapshotId))
+      ) {
+        throw invalidArgument(
+          `Snapshot ${id} is part of group snapshot ${meta.groupSnapshotId}; delete the group snapshot instead.`,
+        );
+      }
+      await this.pool.discard(this.layout.snapshotDir(id));
+    });
+  }
+
+  /** Complete snapshots in id order after `after`, filtered; max 0 means all. */
+  async list(
+    after: string | undefined,
+    max: number,
+    filter: (s: SnapshotMeta) => boolean,
+  ): Promise<{ snapshots: SnapshotMeta[]; next: string | undefined }> {
+    const ids = (await listDir(this.layout.snapshotsDir)).filter(isSnapshotId).sort();
+    let i = after === undefined ? 0 : ids.findIndex((id) => id > after);
+    if (i < 0) i = ids.length;
+    const limit = max > 0 ? max : Number.POSITIVE_INFINITY;
+    const snapshots: SnapshotMeta[] = [];
+    while (snapshots.length < limit && i < ids.length) {
+      const batch = ids.slice(i, i + LIST_BATCH);
+      let used = 0;
+      for (const meta of await Promise.all(batch.map((id) => this.get(id)))) {
+        used++;
+        if (meta && filter(meta)) {
+          snapshots.push(meta);
+          if (snapshots.length >= limit) break;
+        }
+      }
+      i += used;
+    }
+    const last = snapshots.at(-1);
+    return { snapshots, next: i < ids.length && last ? last.id : undefined };
+  }
+
+  async readGroup(id: string): Promise<GroupSnapshotMeta | undefined> {
+    if (!isGroupSnapshotId(id)) return undefined;
+    const raw = await readJson(this.layout.groupMeta(id));
+    return raw === undefined ? undefined : parseGroupSnapshotMeta(raw);
+  }
+
+  /** Records a group snapshot (state "creating" while its members are copied, then "ready"). */
+  async writeGroup(meta: GroupSnapshotMeta): Promise<void> {
+    await fs.mkdir(this.layout.groupDir(meta.id), { recursive: true, mode: 0o750 });
+    await writeFileAtomic(this.layout.groupMeta(meta.id), json(meta));
+  }
+
+  /** Deletes a group snapshot and its members; absent is success. */
+  async deleteGroup(id: string, memberIds: readonly string[]): Promise<void> {
+    if (!isGroupSnapshotId(id)) return;
+    for (const member of memberIds) await this.delete(member, id);
+    await this.pool.discard(this.layout.groupDir(id));
+  }
+}

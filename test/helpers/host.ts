@@ -1,0 +1,143 @@
+/**
+ * Host state for root-only tests: what a test left behind under its temporary root (loop devices whose
+ * image lives there, mounts there), cleaning up exactly that, and scratch filesystems for pools.
+ */
+import { execFileSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+
+export interface Leaks {
+  loops: string[];
+  mounts: string[];
+}
+
+function sh(cmd: string, args: string[]): string {
+  return execFileSync(cmd, args, { encoding: 'utf8', env: { ...process.env, LC_ALL: 'C' } });
+}
+
+function unescape(s: string): string {
+  return s.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
+}
+
+/** Loop devices backed by files under `root` and mounts under `root` (deepest first). */
+export async function leaksUnder(root: string): Promise<Leaks> {
+  const prefix = `${root}/`;
+  const loops: string[] = [];
+  for (const name of await fs.readdir('/sys/block')) {
+    if (!/^loop\d+$/.test(name)) continue;
+    const backing = await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').then(
+      (t) => t.trim(),
+      () => '',
+    );
+    if (backing.startsWith(prefix)) loops.push(`/dev/${name} ${backing}`);
+  }
+  const mounts = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .map((l) => unescape(l.split(' ')[4] ?? ''))
+    .filter((mp) => mp === root || mp.startsWith(prefix))
+    .sort((a, b) => b.length - a.length);
+  return { loops, mounts };
+}
+
+/** Removes exactly what `leaksUnder(root)` finds: unmount (deepest first), then detach. */
+export async function cleanupUnder(root: string): Promise<Leaks> {
+  const found = await leaksUnder(root);
+  for (const mp of found.mounts) {
+    try {
+      sh('umount', [mp]);
+    } catch {
+      sh('umount', ['-l', mp]);
+    }
+  }
+  const again = await leaksUnder(root);
+  for (const line of again.loops) {
+    const dev = line.split(' ')[0] ?? '';
+    try {
+      sh('losetup', ['-d', dev]);
+    } catch {
+      // already gone
+    }
+  }
+  return found;
+}
+
+export interface ScratchFs {
+  mountPoint: string;
+  device: string;
+  remove(): Promise<void>;
+}
+
+/** A real filesystem of `fsType` on a loop device, mounted at `dir/mnt` (for pools with or without reflink). */
+export async function scratchFilesystem(
+  dir: string,
+  fsType: 'ext4' | 'xfs' | 'btrfs',
+  sizeMiB: number,
+): Promise<ScratchFs> {
+  const image = path.join(dir, `${fsType}-scratch.img`);
+  const mountPoint = path.join(dir, 'mnt');
+  await fs.mkdir(mountPoint, { recursive: true });
+  sh('truncate', ['-s', `${sizeMiB}M`, image]);
+  const device = sh('losetup', ['--find', '--show', image]).trim();
+  try {
+    if (fsType === 'xfs') sh('mkfs.xfs', ['-q', '-m', 'reflink=1', device]);
+    else if (fsType === 'btrfs') sh('mkfs.btrfs', ['-q', device]);
+    else sh('mkfs.ext4', ['-q', '-F', device]);
+    sh('mount', [device, mountPoint]);
+  } catch (err) {
+    sh('losetup', ['-d', device]);
+    throw err;
+  }
+  return {
+    mountPoint,
+    device,
+    async remove() {
+      try {
+        sh('umount', [mountPoint]);
+      } finally {
+        sh('losetup', ['-d', device]);
+        await fs.rm(image, { force: true });
+      }
+    },
+  };
+}
+
+export async function sha256(file: string): Promise<string> {
+  return createHash('sha256')
+    .update(await fs.readFile(file))
+    .digest('hex');
+}
+
+/** Writes `mib` MiB of pseudo-random bytes (seeded, so reproducible) to `file` and returns its sha256. */
+export async function writeRandom(file: string, mib: number, seed: number): Promise<string> {
+  const hash = createHash('sha256');
+  const handle = await fs.open(file, 'w');
+  try {
+    let x = seed >>> 0 || 1;
+    for (let i = 0; i < mib; i++) {
+      const buf = Buffer.alloc(1024 * 1024);
+      for (let j = 0; j < buf.length; j += 4) {
+        x ^= x << 13;
+        x ^= x >>> 17;
+        x ^= x << 5;
+        buf.writeUInt32LE(x >>> 0, j);
+      }
+      hash.update(buf);
+      await handle.write(buf);
+    }
+    await handle.sync();
+  } finally {
+    await handle.close();
+  }
+  return hash.digest('hex');
+}
+
+/** Bytes a file occupies on disk. */
+export async function diskUsage(file: string): Promise<number> {
+  return (await fs.stat(file)).blocks * 512;
+}
+
+export const MiB = 2 ** 20;
+export const GiB = 2 ** 30;
+
+export const isRoot = (): boolean => process.getuid?.() === 0;

@@ -1,0 +1,474 @@
+/**
+ * The Node service with real loop devices, real mkfs and real mounts (root only): the full lifecycle
+ * for each filesystem and for raw block, data that survives it, read-only that really is, refusals that
+ * leave data untouched, restarts, the node-side fence, and rollback. Nothing may be left behind.
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
+import { type DriverProcess, startDriverProcess, tempDir } from '../helpers/driver.js';
+import { codeOf, errorOf } from '../helpers/grpc.js';
+import { cleanupUnder, isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
+
+const dirs: string[] = [];
+const drivers: DriverProcess[] = [];
+
+afterAll(async () => {
+  for (const d of drivers) await d.stop('SIGKILL');
+  const leaks = [];
+  for (const d of dirs) {
+    leaks.push(await cleanupUnder(d));
+    await fs.rm(d, { recursive: true, force: true });
+  }
+  expect(leaks.filter((l) => l.loops.length + l.mounts.length > 0)).toEqual([]);
+});
+
+async function dir(tag: string): Promise<string> {
+  const d = await tempDir(tag);
+  dirs.push(d);
+  return d;
+}
+
+async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
+  const d = await startDriverProcess(args);
+  drivers.push(d);
+  return d;
+}
+
+type Mode = NonNullable<VolumeCapability['access_mode']>['mode'];
+const mountCap = (
+  fs_type = '',
+  mode: Mode = 'SINGLE_NODE_WRITER',
+  mount_flags: string[] = [],
+): VolumeCapability => ({
+  mount: { fs_type, mount_flags },
+  access_mode: { mode },
+});
+const blockCap = (mode: Mode = 'SINGLE_NODE_WRITER'): VolumeCapability => ({
+  block: {},
+  access_mode: { mode },
+});
+
+/** A volume and the paths a kubelet would use for it on one node. */
+class Vol {
+  constructor(
+    readonly d: DriverProcess,
+    readonly id: string,
+    readonly cap: VolumeCapability,
+    readonly base: string,
+  ) {}
+  get staging(): string {
+    return path.join(this.base, `staging-${this.id}`);
+  }
+  target(n = 1): string {
+    return path.join(this.base, `pod-${n}`, this.id);
+  }
+  get image(): string {
+    return path.join(this.d.poolDir, 'volumes', this.id, 'disk.img');
+  }
+  async stage(cap = this.cap, staging = this.staging) {
+    await fs.mkdir(staging, { recursive: true });
+    return this.d.clients.node.NodeStageVolume({
+      volume_id: this.id,
+      staging_target_path: staging,
+      volume_capability: cap,
+    });
+  }
+  async publish(n = 1, readonly = false, cap = this.cap) {
+    await fs.mkdir(path.dirname(this.target(n)), { recursive: true });
+    return this.d.clients.node.NodePublishVolume({
+      volume_id: this.id,
+      staging_target_path: this.staging,
+      target_path: this.target(n),
+      volume_capability: cap,
+      readonly,
+    });
+  }
+  unpublish(n = 1) {
+    return this.d.clients.node.NodeUnpublishVolume({ volume_id: this.id, target_path: this.target(n) });
+  }
+  unstage(staging = this.staging) {
+    return this.d.clients.node.NodeUnstageVolume({ volume_id: this.id, staging_target_path: staging });
+  }
+  async loops(): Promise<string[]> {
+    return (await leaksUnder(path.dirname(this.image))).loops;
+  }
+}
+
+async function makeVolume(
+  d: DriverProcess,
+  base: string,
+  name: string,
+  cap: VolumeCapability,
+  size = 400 * MiB,
+  params: Record<string, string> = {},
+): Promise<Vol> {
+  const res = await d.clients.controller.CreateVolume({
+    name,
+    capacity_range: { required_bytes: String(size) },
+    volume_capabilities: [cap],
+    parameters: params,
+  });
+  const id = res.volume?.volume_id ?? '';
+  await d.clients.controller.ControllerPublishVolume({
+    volume_id: id,
+    node_id: 'node-1',
+    volume_capability: cap,
+  });
+  return new Vol(d, id, cap, base);
+}
+
+async function isMountPoint(p: string): Promise<boolean> {
+  const text = await fs.readFile('/proc/self/mountinfo', 'utf8');
+  return text.split('\n').some((l) => l.split(' ')[4] === p);
+}
+
+describe.skipIf(!isRoot())('node lifecycle', () => {
+  let d: DriverProcess;
+  let base: string;
+  beforeAll(async () => {
+    base = await dir('node');
+    d = await driver({ dir: base });
+  });
+
+  it.each(['ext4', 'xfs', 'btrfs'])(
+    'stages, publishes and tears down %s, keeping the data',
+    async (fsType) => {
+      const v = await makeVolume(d, base, `pvc-life-${fsType}`, mountCap(fsType));
+      await v.stage();
+      await v.stage();
+      expect(await isMountPoint(v.staging)).toBe(true);
+      await v.publish();
+      await v.publish();
+      const sum = await writeRandom(path.join(v.target(), 'data.bin'), 8, 7);
+      const stats = await d.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: v.target() });
+      const bytes = stats.usage.find((u) => u.unit === 'BYTES');
+      expect(Number(bytes?.total)).toBeGreaterThan(300 * MiB);
+      // btrfs accounts written data at its next transaction commit, not at fsync.
+      if (fsType !== 'btrfs') expect(Number(bytes?.used)).toBeGreaterThanOrEqual(8 * MiB);
+      expect(stats.volume_condition?.abnormal).toBe(false);
+      if (fsType !== 'btrfs')
+        expect(Number(stats.usage.find((u) => u.unit === 'INODES')?.total)).toBeGreaterThan(0);
+
+      await v.unpublish();
+      await v.unpublish();
+      await expect(fs.stat(v.target())).rejects.toThrow(/ENOENT/);
+      await v.unstage();
+      await v.unstage();
+      expect(await isMountPoint(v.staging)).toBe(false);
+      expect(await v.loops()).toEqual([]);
+
+      await v.stage();
+      await v.publish();
+      expect(await sha256(path.join(v.target(), 'data.bin'))).toBe(sum);
+      await v.unpublish();
+
+      // Read-only publish really is read-only.
+      await v.publish(2, true);
+      expect(await sha256(path.join(v.target(2), 'data.bin'))).toBe(sum);
+      await expect(fs.writeFile(path.join(v.target(2), 'new'), 'x')).rejects.toThrow(/EROFS/);
+      expect(await codeOf(v.publish(2, false))).toBe('ALREADY_EXISTS');
+      await v.unpublish(2);
+      await v.unstage();
+      expect(await v.loops()).toEqual([]);
+    },
+  );
+
+  it('attaches loop devices with direct I/O and reuses one attachment per image', async () => {
+    const v = await makeVolume(d, base, 'pvc-dio', mountCap('ext4'), 64 * MiB);
+    await v.stage();
+    const loops = await v.loops();
+    expect(loops).toHaveLength(1);
+    const dev = (loops[0] ?? '').split(' ')[0]?.replace('/dev/', '') ?? '';
+    expect((await fs.readFile(`/sys/block/${dev}/loop/dio`, 'utf8')).trim()).toBe('1');
+    await v.unstage();
+  });
+
+  it('stages and publishes a raw block volume, read-only really read-only', async () => {
+    const v = await makeVolume(d, base, 'pvc-block', blockCap(), 32 * MiB);
+    await v.stage();
+    await v.stage();
+    await v.publish();
+    await v.publish();
+    expect((await fs.stat(v.target())).isBlockDevice()).toBe(true);
+    const payload = Buffer.alloc(MiB, 0x5a);
+    const handle = await fs.open(v.target(), 'r+');
+    await handle.write(payload, 0, payload.length, 4 * MiB);
+    await handle.sync();
+    await handle.close();
+    const stats = await d.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: v.target() });
+    expect(stats.usage[0]).toMatchObject({ unit: 'BYTES', total: String(32 * MiB) });
+    await v.unpublish();
+    await expect(fs.stat(v.target())).rejects.toThrow(/ENOENT/);
+
+    await v.publish(2, true);
+    const ro = await fs.open(v.target(2), 'r');
+    const back = Buffer.alloc(MiB);
+    await ro.read(back, 0, MiB, 4 * MiB);
+    await ro.close();
+    expect(back.equals(payload)).toBe(true);
+    // The kernel lets a read-only device be opened for writing; every write fails.
+    const rw = await fs.open(v.target(2), 'r+');
+    await expect(rw.write(payload, 0, 4096, 0)).rejects.toThrow(/EPERM|EROFS|EACCES/);
+    await rw.close();
+    expect(await v.loops()).toHaveLength(2); // the staged device and a read-only one for this target
+    await v.unpublish(2);
+    expect(await v.loops()).toHaveLength(1);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+  });
+
+  it('follows the spec table for a second target and for arguments that changed', async () => {
+    const v = await makeVolume(d, base, 'pvc-targets', mountCap('ext4'), 64 * MiB);
+    expect(await codeOf(v.publish())).toBe('FAILED_PRECONDITION'); // not staged yet
+    expect(
+      await codeOf(
+        d.clients.node.NodePublishVolume({
+          volume_id: v.id,
+          target_path: v.target(),
+          volume_capability: v.cap,
+          staging_target_path: '',
+        }),
+      ),
+    ).toBe('FAILED_PRECONDITION');
+    await v.stage();
+    expect(await codeOf(v.stage(mountCap('xfs')))).toBe('ALREADY_EXISTS');
+    expect(await codeOf(v.stage(mountCap('ext4'), path.join(base, 'elsewhere')))).toBe('FAILED_PRECONDITION');
+    await v.publish(1);
+    expect(await codeOf(v.publish(2))).toBe('FAILED_PRECONDITION'); // SINGLE_NODE_WRITER: one target
+    const multi = mountCap('ext4', 'SINGLE_NODE_MULTI_WRITER');
+    await v.publish(3, false, multi);
+    expect(await codeOf(v.unstage())).toBe('FAILED_PRECONDITION'); // still published
+    await v.unpublish(1);
+    await v.unpublish(3);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+  });
+
+  it('refuses a device holding another filesystem and leaves it byte for byte intact', async () => {
+    const v = await makeVolume(d, base, 'pvc-otherfs', mountCap('xfs'), 320 * MiB);
+    await v.stage();
+    await v.publish();
+    await writeRandom(path.join(v.target(), 'keep.bin'), 4, 11);
+    await v.unpublish();
+    await v.unstage();
+    const before = await sha256(v.image);
+    const e = await errorOf(v.stage(mountCap('ext4')));
+    expect(e.code).toBe('FAILED_PRECONDITION');
+    expect(e.details).toContain('xfs');
+    expect(await sha256(v.image)).toBe(before);
+    expect(await v.loops()).toEqual([]);
+    expect(await isMountPoint(v.staging)).toBe(false);
+  });
+
+  it('refuses a partition table, and a volume that held data without a filesystem', async () => {
+    const pt = await makeVolume(d, base, 'pvc-mbr', mountCap('ext4'), 16 * MiB);
+    const mbr = Buffer.alloc(512);
+    mbr.set([0, 0, 0, 0, 0x83, 0, 0, 0], 446);
+    mbr.writeUInt32LE(2048, 454);
+    mbr.writeUInt32LE(16384, 458);
+    mbr[510] = 0x55;
+    mbr[511] = 0xaa;
+    await fs.writeFile(pt.image, mbr, { flag: 'r+' });
+    const before = await sha256(pt.image);
+    const e = await errorOf(pt.stage());
+    expect(e.code).toBe('FAILED_PRECONDITION');
+    expect(e.details).toContain('partition table');
+    expect(await sha256(pt.image)).toBe(before);
+
+    const raw = await makeVolume(d, base, 'pvc-raw-then-fs', blockCap(), 16 * MiB);
+    await raw.stage();
+    await raw.unstage();
+    const e2 = await errorOf(raw.stage(mountCap('ext4')));
+    expect(e2.code).toBe('FAILED_PRECONDITION');
+    expect(e2.details).toContain('not formatted');
+    expect(await raw.loops()).toEqual([]);
+  });
+
+  it('rolls back what a failed stage did', async () => {
+    const v = await makeVolume(d, base, 'pvc-badflag', mountCap('ext4'), 32 * MiB);
+    const bad = mountCap('ext4', 'SINGLE_NODE_WRITER', ['data=nonsense']);
+    const e = await errorOf(v.stage(bad));
+    expect(e.code).toBe('INTERNAL');
+    expect(e.details).toContain('data=nonsense');
+    expect(await v.loops()).toEqual([]);
+    expect(await isMountPoint(v.staging)).toBe(false);
+    expect(await fs.readdir(path.join(d.poolDir, 'volumes', v.id, 'leases')).catch(() => [])).toEqual([]);
+    await v.stage();
+    await v.unstage();
+  });
+
+  it('mounts an XFS clone beside its source on the same node', async () => {
+    const src = await makeVolume(d, base, 'pvc-xfs-src', mountCap('xfs'), 320 * MiB);
+    await src.stage();
+    await src.publish();
+    const sum = await writeRandom(path.join(src.target(), 'f.bin'), 4, 3);
+    const clone = await d.clients.controller.CreateVolume({
+      name: 'pvc-xfs-clone',
+      volume_capabilities: [mountCap('xfs')],
+      volume_content_source: { volume: { volume_id: src.id } },
+    });
+    const cid = clone.volume?.volume_id ?? '';
+    await d.clients.controller.ControllerPublishVolume({
+      volume_id: cid,
+      node_id: 'node-1',
+      volume_capability: mountCap('xfs'),
+    });
+    const c = new Vol(d, cid, mountCap('xfs'), base);
+    await c.stage();
+    await c.publish();
+    expect(await sha256(path.join(c.target(), 'f.bin'))).toBe(sum);
+    for (const x of [c, src]) {
+      await x.unpublish();
+      await x.unstage();
+    }
+  });
+
+  it('answers stats errors by the spec', async () => {
+    const v = await makeVolume(d, base, 'pvc-stats', mountCap('ext4'), 32 * MiB);
+    expect(
+      await codeOf(
+        d.clients.node.NodeGetVolumeStats({
+          volume_id: 'vol-ffffffffffffffffffffffffffffffff',
+          volume_path: '/tmp',
+        }),
+      ),
+    ).toBe('NOT_FOUND');
+    expect(
+      await codeOf(d.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: 'some/path' })),
+    ).toBe('NOT_FOUND');
+    expect(
+      await codeOf(
+        d.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: path.join(base, 'nothing-here') }),
+      ),
+    ).toBe('NOT_FOUND');
+    expect(await codeOf(d.clients.node.NodeGetVolumeStats({ volume_id: v.id }))).toBe('INVALID_ARGUMENT');
+    await v.stage();
+    await v.publish();
+    await fs.rename(v.image, `${v.image}.away`);
+    const sick = await d.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: v.target() });
+    await fs.rename(`${v.image}.away`, v.image);
+    expect(sick.volume_condition?.abnormal).toBe(true);
+    expect(sick.volume_condition?.message).toContain('missing');
+    await v.unpublish();
+    await v.unstage();
+  });
+});
+
+describe.skipIf(!isRoot())('restarts and crashes', () => {
+  it('a restarted plugin serves and tears down what its predecessor set up', async () => {
+    const base = await dir('restart');
+    const a = await driver({ dir: base });
+    const v = await makeVolume(a, base, 'pvc-restart', mountCap('ext4'), 64 * MiB);
+    await v.stage();
+    await v.publish();
+    const sum = await writeRandom(path.join(v.target(), 'x.bin'), 2, 5);
+    await a.stop('SIGKILL');
+    const b = await driver({ dir: base });
+    const w = new Vol(b, v.id, v.cap, base);
+    await w.stage();
+    await w.publish();
+    expect(
+      (await b.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: w.target() })).volume_condition
+        ?.abnormal,
+    ).toBe(false);
+    expect(await sha256(path.join(w.target(), 'x.bin'))).toBe(sum);
+    expect(await w.loops()).toHaveLength(1);
+    await w.unpublish();
+    await w.unstage();
+    expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+  });
+
+  it.each(['stage:attached', 'stage:formatted', 'stage:mounted'])(
+    'a NodeStageVolume killed at %s is completed by its retry',
+    async (point) => {
+      const base = await dir('stagecrash');
+      const a = await driver({ dir: base, env: { LOOPVOL_FAILPOINT: point } });
+      const v = await makeVolume(a, base, 'pvc-stagecrash', mountCap('ext4'), 64 * MiB);
+      expect(await codeOf(v.stage())).not.toBe('OK');
+      const b = await driver({ dir: base });
+      const w = new Vol(b, v.id, v.cap, base);
+      await w.stage();
+      await w.publish();
+      await fs.writeFile(path.join(w.target(), 'ok'), 'ok');
+      expect(await w.loops()).toHaveLength(1);
+      await w.unpublish();
+      await w.unstage();
+      expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+    },
+  );
+});
+
+describe.skipIf(!isRoot())('the node-side fence', () => {
+  it('keeps a second node off a staged volume until the first releases it', async () => {
+    const base = await dir('fence');
+    const n1 = await driver({ dir: base });
+    const n2 = await driver({
+      dir: base,
+      socket: path.join(base, 'n2.sock'),
+      nodeId: 'node-2',
+      mode: 'node',
+    });
+    const v = await makeVolume(n1, base, 'pvc-fenced', mountCap('ext4'), 64 * MiB);
+    await v.stage();
+    const other = new Vol(n2, v.id, v.cap, path.join(base, 'n2'));
+    const e = await errorOf(other.stage());
+    expect(e.code).toBe('FAILED_PRECONDITION');
+    expect(e.details).toContain('node-1');
+    await v.unstage();
+    await n1.clients.controller.ControllerUnpublishVolume({ volume_id: v.id, node_id: 'node-1' });
+    await n1.clients.controller.ControllerPublishVolume({
+      volume_id: v.id,
+      node_id: 'node-2',
+      volume_capability: v.cap,
+    });
+    await other.stage();
+    expect(await codeOf(v.stage())).toBe('FAILED_PRECONDITION');
+    await other.unstage();
+  });
+
+  it("releases a dead node's hold when the CO unpublishes the volume from it", async () => {
+    const base = await dir('deadnode');
+    const n1 = await driver({ dir: base, socket: path.join(base, 'n1.sock'), mode: 'node' });
+    const ctl = await driver({ dir: base, mode: 'controller' });
+    const n2 = await driver({
+      dir: base,
+      socket: path.join(base, 'n2.sock'),
+      nodeId: 'node-2',
+      mode: 'node',
+    });
+    const cap = mountCap('ext4');
+    const id =
+      (
+        await ctl.clients.controller.CreateVolume({
+          name: 'pvc-dead',
+          volume_capabilities: [cap],
+          capacity_range: { required_bytes: String(64 * MiB) },
+        })
+      ).volume?.volume_id ?? '';
+    await ctl.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id: 'node-1',
+      volume_capability: cap,
+    });
+    const v1 = new Vol(n1, id, cap, path.join(base, 'n1'));
+    await v1.stage();
+    // node-1 dies: its process is gone and (as after a reboot) its mount and loop device with it.
+    await n1.stop('SIGKILL');
+    await cleanupUnder(path.join(base, 'n1'));
+    const loops = await leaksUnder(path.join(base, 'pool'));
+    await cleanupUnder(path.join(base, 'pool'));
+    expect(loops.loops).toHaveLength(1);
+    const v2 = new Vol(n2, id, cap, path.join(base, 'n2'));
+    expect(await codeOf(v2.stage())).toBe('FAILED_PRECONDITION');
+    await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+    await ctl.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id: 'node-2',
+      volume_capability: cap,
+    });
+    await v2.stage();
+    await v2.unstage();
+  });
+});

@@ -1,0 +1,165 @@
+/** The per-call wrapper and graceful stop, on an in-process gRPC server with scripted methods. */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { Writable } from 'node:stream';
+import * as grpc from '@grpc/grpc-js';
+import { pino } from 'pino';
+import { afterAll, describe, expect, it } from 'vitest';
+import { csiProto } from '../../src/csi/proto.js';
+import { invalidArgument, notFound } from '../../src/errors.js';
+import { ExecRunner } from '../../src/exec/runner.js';
+import type { ControllerHandlers } from '../../src/gen/csi/v1/Controller.js';
+import { buildService, method, type Methods } from '../../src/server/call.js';
+import { InFlight } from '../../src/server/inflight.js';
+import { listen, stop } from '../../src/server/server.js';
+import { tempDir } from '../helpers/driver.js';
+import { codeOf, csiClients, errorOf } from '../helpers/grpc.js';
+
+const dirs: string[] = [];
+afterAll(async () => {
+  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
+});
+
+function capture() {
+  const lines: Record<string, unknown>[] = [];
+  const stream = new Writable({
+    write(chunk: Buffer, _enc, cb) {
+      for (const l of chunk.toString().split('\n'))
+        if (l) lines.push(JSON.parse(l) as Record<string, unknown>);
+      cb();
+    },
+  });
+  return { lines, log: pino({ level: 'debug' }, stream) };
+}
+
+async function serve(methods: Methods<ControllerHandlers>) {
+  const dir = await tempDir('call');
+  dirs.push(dir);
+  const { lines, log } = capture();
+  const server = new grpc.Server();
+  const def = csiProto().csi.v1.Controller.service;
+  server.addService(
+    def,
+    buildService<ControllerHandlers>('Controller', def, methods, {
+      log,
+      runner: new ExecRunner(),
+      inflight: new InFlight(),
+    }),
+  );
+  const endpoint = { kind: 'unix' as const, path: path.join(dir, 'csi.sock') };
+  await listen(server, endpoint, log);
+  const clients = csiClients(`unix://${endpoint.path}`);
+  return { server, endpoint, clients, lines, log };
+}
+
+describe('the per-call wrapper', () => {
+  it('validates before running, holds in-flight keys (ABORTED for the loser), and logs one line per call', async () => {
+    let release: () => void = () => undefined;
+    let runs = 0;
+    const gate = new Promise<void>((r) => (release = r));
+    const s = await serve({
+      CreateVolume: method({
+        validate: (req) => {
+          if (req.name === '') throw invalidArgument('name is required.');
+          return req.name;
+        },
+        locks: (name) => [`vol:${name}`],
+        run: async () => {
+          runs++;
+          await gate;
+          return { volume: { volume_id: 'vol-1', capacity_bytes: '1' } };
+        },
+      }),
+    });
+    expect(await codeOf(s.clients.controller.CreateVolume({ name: '' }))).toBe('INVALID_ARGUMENT');
+    expect(runs).toBe(0);
+    const first = s.clients.controller.CreateVolume({ name: 'a', secrets: { key: 'top-secret-value' } });
+    await new Promise((r) => setTimeout(r, 50));
+    const second = await errorOf(s.clients.controller.CreateVolume({ name: 'a' }));
+    expect(second.code).toBe('ABORTED');
+    const other = codeOf(s.clients.controller.CreateVolume({ name: 'b' })); // another key: not refused
+    await new Promise((r) => setTimeout(r, 50));
+    expect(runs).toBe(2);
+    release();
+    expect(await other).toBe('OK');
+    expect((await first).volume?.volume_id).toBe('vol-1');
+    const calls = s.lines.filter((l) => l.msg === 'call' || l.msg === 'call failed');
+    expect(calls.map((l) => l.code)).toEqual(expect.arrayContaining(['INVALID_ARGUMENT', 'ABORTED', 'OK']));
+    for (const l of calls) {
+      expect(l).toMatchObject({
+        method: 'CreateVolume',
+        reqId: expect.any(String) as unknown,
+        ms: expect.any(Number) as unknown,
+      });
+    }
+    expect(JSON.stringify(s.lines)).not.toContain('top-secret-value');
+    s.clients.close();
+    await stop(s.server, s.endpoint, 1000, s.log);
+  });
+
+  it('answers UNIMPLEMENTED for methods it lacks, maps domain errors, and hides unexpected ones', async () => {
+    const s = await serve({
+      DeleteVolume: method({
+        validate: () => null,
+        run: () => Promise.reject(new TypeError('cannot read x of undefined at /secret/path.ts:1')),
+      }),
+      ControllerGetVolume: method({
+        validate: () => null,
+        run: () => Promise.reject(notFound('Volume v does not exist.')),
+      }),
+    });
+    expect(await codeOf(s.clients.controller.ListVolumes({}))).toBe('UNIMPLEMENTED');
+    const internal = await errorOf(s.clients.controller.DeleteVolume({ volume_id: 'x' }));
+    expect(internal.code).toBe('INTERNAL');
+    expect(internal.details).not.toContain('/secret/path');
+    const logged = s.lines.find((l) => l.method === 'DeleteVolume');
+    expect(JSON.stringify(logged)).toContain('/secret/path');
+    expect(await errorOf(s.clients.controller.ControllerGetVolume({ volume_id: 'v' }))).toEqual({
+      code: 'NOT_FOUND',
+      details: 'Volume v does not exist.',
+    });
+    s.clients.close();
+    await stop(s.server, s.endpoint, 1000, s.log);
+  });
+});
+
+describe('stop', () => {
+  it('refuses new calls, lets a call in flight finish, and removes the socket', async () => {
+    let finished = false;
+    const s = await serve({
+      CreateVolume: method({
+        validate: () => null,
+        run: async () => {
+          await new Promise((r) => setTimeout(r, 400));
+          finished = true;
+          return { volume: { volume_id: 'vol-slow', capacity_bytes: '1' } };
+        },
+      }),
+    });
+    const slow = s.clients.controller.CreateVolume({ name: 'slow' });
+    await new Promise((r) => setTimeout(r, 50));
+    const stopping = stop(s.server, s.endpoint, 5000, s.log);
+    const late = await codeOf(
+      csiClients(`unix://${s.endpoint.path}`).controller.CreateVolume({ name: 'late' }, { timeoutMs: 1000 }),
+    );
+    expect(late).not.toBe('OK');
+    expect((await slow).volume?.volume_id).toBe('vol-slow');
+    await stopping;
+    expect(finished).toBe(true);
+    await expect(fs.lstat(s.endpoint.path)).rejects.toThrow(/ENOENT/);
+    s.clients.close();
+  });
+
+  it('cancels calls that outlive the shutdown timeout', async () => {
+    const s = await serve({
+      CreateVolume: method({ validate: () => null, run: () => new Promise(() => undefined) }),
+    });
+    const stuck = codeOf(s.clients.controller.CreateVolume({ name: 'stuck' }));
+    await new Promise((r) => setTimeout(r, 50));
+    const t0 = Date.now();
+    await stop(s.server, s.endpoint, 300, s.log);
+    expect(Date.now() - t0).toBeLessThan(2000);
+    expect(await stuck).not.toBe('OK');
+    s.clients.close();
+  });
+});

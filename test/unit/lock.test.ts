@@ -1,0 +1,97 @@
+/** Cross-process pool locks: held, refused, taken over from a killed holder, released. */
+import { spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { pino } from 'pino';
+import { afterAll, describe, expect, it } from 'vitest';
+import { isHeld, LockManager } from '../../src/pool/lock.js';
+import { REPO, tempDir } from '../helpers/driver.js';
+
+const dirs: string[] = [];
+afterAll(async () => {
+  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
+});
+
+const log = pino({ level: 'silent' });
+
+/** A child process that takes `key` in `dir` and holds it until killed; resolves once it holds it. */
+async function holder(dir: string, key: string) {
+  const script = `
+    import { pino } from 'pino';
+    import { LockManager } from './dist/pool/lock.js';
+    const got = await new LockManager(${JSON.stringify(dir)}, pino({ level: 'silent' })).tryAcquire(${JSON.stringify(key)}, 'test holder');
+    process.stdout.write('release' in got ? 'held\\n' : 'busy\\n');
+    setInterval(() => {}, 1000);
+  `;
+  const child = spawn(process.execPath, ['--input-type=module', '-e', script], {
+    cwd: REPO,
+    stdio: ['ignore', 'pipe', 'inherit'],
+  });
+  const first = await new Promise<string>((resolve) =>
+    child.stdout.once('data', (d: Buffer) => {
+      resolve(d.toString().trim());
+    }),
+  );
+  return { child, first };
+}
+
+describe('LockManager', () => {
+  it('refuses a lock held by a live process and takes over one whose holder was killed', async () => {
+    const dir = await tempDir('lock');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log);
+    const h = await holder(dir, 'vol-x');
+    expect(h.first).toBe('held');
+    const busy = await locks.tryAcquire('vol-x', 'test');
+    expect(isHeld(busy)).toBe(false);
+    expect(isHeld(busy) ? '' : busy.holder).toContain(`process ${h.child.pid}`);
+    h.child.kill('SIGKILL');
+    await new Promise((r) => h.child.once('exit', r));
+    const got = await locks.tryAcquire('vol-x', 'test');
+    expect(isHeld(got)).toBe(true);
+    if (isHeld(got)) await got.release();
+    expect(await fs.readdir(dir)).toEqual([]);
+  });
+
+  it('is exclusive within a process and reusable after release', async () => {
+    const dir = await tempDir('lock2');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log);
+    const a = await locks.tryAcquire('k', 'a');
+    expect(isHeld(a)).toBe(true);
+    expect(isHeld(await locks.tryAcquire('k', 'b'))).toBe(false);
+    if (isHeld(a)) await a.release();
+    const c = await locks.tryAcquire('k', 'c');
+    expect(isHeld(c)).toBe(true);
+    if (isHeld(c)) await c.release();
+  });
+
+  it('judges a holder on another host by the age of its heartbeat', async () => {
+    const dir = await tempDir('lock3');
+    dirs.push(dir);
+    const file = path.join(dir, 'k.lock');
+    const foreign = {
+      host: 'elsewhere',
+      bootId: 'other-boot',
+      pidNs: 'x',
+      pid: 1,
+      start: '1',
+      token: 't',
+      purpose: 'p',
+      since: '',
+    };
+    await fs.writeFile(file, JSON.stringify(foreign));
+    const locks = new LockManager(dir, log);
+    expect(isHeld(await locks.tryAcquire('k', 'fresh'))).toBe(false);
+    const old = new Date(Date.now() - 120_000);
+    await fs.utimes(file, old, old);
+    const got = await locks.tryAcquire('k', 'stale');
+    expect(isHeld(got)).toBe(true);
+    if (isHeld(got)) await got.release();
+  });
+
+  it('refuses keys that are not safe file names', async () => {
+    const locks = new LockManager('/tmp', log);
+    await expect(locks.tryAcquire('../etc/passwd', 'x')).rejects.toThrow(/bad lock key/);
+  });
+});
