@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Runs the upstream conformance tool, csi-sanity, against a throwaway loopvol: once with mount volumes
+# and once with block volumes. Writes JUnit reports, tears everything down, and exits non-zero on any
+# failure. Exit status 3 means csi-sanity was not found (see sanity/README.md for how to get it).
+#
+#   sanity/run.sh [mount|block ...]         (default: mount block)
+#   CSI_SANITY=/path/to/csi-sanity  SANITY_OUT=dir  SANITY_FOCUS=regex  sanity/run.sh
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+modes=("$@")
+[ ${#modes[@]} -eq 0 ] && modes=(mount block)
+
+sanity=${CSI_SANITY:-$(command -v csi-sanity || true)}
+if [ -z "$sanity" ] || [ ! -x "$sanity" ]; then
+  cat >&2 <<'MSG'
+csi-sanity was not found (set $CSI_SANITY or put it on PATH).
+It is built from kubernetes-csi/csi-test, outside this repository:
+  git clone --branch v5.3.1 https://github.com/kubernetes-csi/csi-test
+  cd csi-test/cmd/csi-sanity && go build -o /usr/local/bin/csi-sanity .
+MSG
+  exit 3
+fi
+
+if [ ! -f "$repo/dist/main.js" ] || [ -n "$(find "$repo/src" -newer "$repo/dist/main.js" -name '*.ts' -print -quit)" ]; then
+  (cd "$repo" && npm run -s build) || exit 1
+fi
+
+out=${SANITY_OUT:-$here/out}
+mkdir -p "$out"
+tmp=$(mktemp -d /tmp/loopvol-sanity.XXXXXX)
+driver_pid=""
+
+teardown() {
+  if [ -n "$driver_pid" ] && kill -0 "$driver_pid" 2>/dev/null; then
+    kill -TERM "$driver_pid"
+    wait "$driver_pid" 2>/dev/null
+  fi
+  # Anything still mounted under the throwaway directory, or attached from it, is a leak: report it,
+  # then remove exactly that.
+  leaks=0
+  while read -r mp; do
+    [ -z "$mp" ] && continue
+    echo "LEAK: mount $mp" >&2; leaks=1
+    umount "$mp" 2>/dev/null || umount -l "$mp"
+  done < <(awk -v t="$tmp" '$5 == t || index($5, t "/") == 1 { print $5 }' /proc/self/mountinfo | sort -r)
+  while read -r dev file; do
+    [ -z "$dev" ] && continue
+    echo "LEAK: loop device $dev ($file)" >&2; leaks=1
+    losetup -d "$dev"
+  done < <(losetup -nO NAME,BACK-FILE 2>/dev/null | awk -v t="$tmp" 'index($2, t "/") == 1 { print $1, $2 }')
+  [ -f "$tmp/driver.log" ] && cp "$tmp/driver.log" "$out/driver.log"
+  rm -rf "$tmp"
+  return $leaks
+}
+trap 'teardown; exit 130' INT TERM
+
+node "$repo/dist/main.js" \
+  --endpoint="unix://$tmp/csi.sock" \
+  --nodeid=sanity-node \
+  --pool-dir="$tmp/pool" \
+  --pool-name=sanity \
+  --max-volumes-per-node=8 \
+  --log-level=info >"$tmp/driver.log" 2>&1 &
+driver_pid=$!
+for _ in $(seq 1 100); do
+  [ -S "$tmp/csi.sock" ] && break
+  sleep 0.1
+done
+
+status=0
+for mode in "${modes[@]}"; do
+  echo "=== csi-sanity, $mode volumes"
+  args=(
+    --csi.endpoint="$tmp/csi.sock"
+    --csi.mountdir="$tmp/target-$mode"
+    --csi.stagingdir="$tmp/staging-$mode"
+    --csi.testvolumeaccesstype="$mode"
+    --csi.testvolumesize=$((100 * 1024 * 1024))
+    --csi.testvolumeexpandsize=$((200 * 1024 * 1024))
+    --csi.testvolumeparameters="$here/volume-parameters.yaml"
+    --csi.testvolumemutableparameters="$here/mutable-parameters.yaml"
+    --csi.testsnapshotparameters="$here/snapshot-parameters.yaml"
+    --csi.testnodevolumeattachlimit
+    --ginkgo.junit-report="$out/junit-$mode.xml"
+    --ginkgo.no-color
+  )
+  [ -n "${SANITY_FOCUS:-}" ] && args+=(--ginkgo.focus="$SANITY_FOCUS")
+  "$sanity" "${args[@]}" 2>&1 | tee "$out/sanity-$mode.log" | grep -E '^(Ran |FAIL|SUCCESS|PASS|\[FAIL\]|  \[FAIL\])|Passed|Failed|Skipped|Pending' 
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && status=1
+done
+
+teardown || status=1
+exit $status
