@@ -28,9 +28,22 @@ beforeAll(async () => {
     drivers.push(d);
     return d;
   };
-  ctl = await start({ dir: root, poolDir: pool, mode: 'controller', socket: path.join(root, 'controller.sock'), logLevel: 'info' });
+  ctl = await start({
+    dir: root,
+    poolDir: pool,
+    mode: 'controller',
+    socket: path.join(root, 'controller.sock'),
+    logLevel: 'info',
+  });
   for (const n of ['node-1', 'node-2']) {
-    nodes[n] = await start({ dir: root, poolDir: pool, mode: 'node', nodeId: n, socket: path.join(root, `${n}.sock`), logLevel: 'info' });
+    nodes[n] = await start({
+      dir: root,
+      poolDir: pool,
+      mode: 'node',
+      nodeId: n,
+      socket: path.join(root, `${n}.sock`),
+      logLevel: 'info',
+    });
   }
 });
 
@@ -70,7 +83,10 @@ function kubeletPaths(nodeName: string, volumeId: string, pv: string, podUid: st
 const capFor = (kind: string): VolumeCapability =>
   kind === 'block'
     ? { block: {}, access_mode: { mode: 'SINGLE_NODE_MULTI_WRITER' } }
-    : { mount: { fs_type: kind, mount_flags: ['noatime'] }, access_mode: { mode: 'SINGLE_NODE_MULTI_WRITER' } };
+    : {
+        mount: { fs_type: kind, mount_flags: ['noatime'] },
+        access_mode: { mode: 'SINGLE_NODE_MULTI_WRITER' },
+      };
 
 /** What the kubelet and attach/detach controller do to run a pod with the volume on `nodeName`. */
 async function attachAndMount(nodeName: string, volumeId: string, pv: string, kind: string) {
@@ -78,7 +94,11 @@ async function attachAndMount(nodeName: string, volumeId: string, pv: string, ki
   const cap = capFor(kind);
   const podUid = randomUUID();
   const p = kubeletPaths(nodeName, volumeId, pv, podUid, block);
-  const pub = await ctl.clients.controller.ControllerPublishVolume({ volume_id: volumeId, node_id: nodeName, volume_capability: cap });
+  const pub = await ctl.clients.controller.ControllerPublishVolume({
+    volume_id: volumeId,
+    node_id: nodeName,
+    volume_capability: cap,
+  });
   // The kubelet creates the staging directory and the target's parent, never the target itself.
   await fs.mkdir(p.staging, { recursive: true });
   await fs.mkdir(path.dirname(p.target), { recursive: true });
@@ -137,7 +157,10 @@ async function sizeOf(target: string, block: boolean): Promise<number> {
   const dev = await fs.open(target, 'r');
   const st = await dev.stat();
   await dev.close();
-  const name = (await fs.readFile('/proc/self/mountinfo', 'utf8')).split('\n').find((l) => l.split(' ')[4] === target)?.split(' ')[3];
+  const name = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .find((l) => l.split(' ')[4] === target)
+    ?.split(' ')[3];
   return name ? Number(await fs.readFile(`/sys/block${name}/size`, 'utf8')) * 512 : st.size;
 }
 
@@ -146,89 +169,106 @@ const canGrowExt4Online = async (): Promise<boolean> => {
   return (BigInt(`0x${hex}`) & (1n << 24n)) !== 0n;
 };
 
-describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])('a %s volume through its whole life', (kind) => {
-  const block = kind === 'block';
-  const pv = `pvc-${randomUUID()}`;
-  let volumeId = '';
-  let sum = '';
+describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
+  'a %s volume through its whole life',
+  (kind) => {
+    const block = kind === 'block';
+    const pv = `pvc-${randomUUID()}`;
+    let volumeId = '';
+    let sum = '';
 
-  it('is provisioned with the provisioner’s parameters', async () => {
-    const res = await ctl.clients.controller.CreateVolume({
-      name: pv,
-      capacity_range: { required_bytes: String(320 * MiB) },
-      volume_capabilities: [capFor(kind)],
-      parameters: { 'csi.storage.k8s.io/pvc/name': 'data', 'csi.storage.k8s.io/pvc/namespace': 'e2e', 'csi.storage.k8s.io/pv/name': pv },
-      accessibility_requirements: { requisite: [{ segments: { 'loopvol.csi.io/pool': 'default' } }], preferred: [] },
+    it('is provisioned with the provisioner’s parameters', async () => {
+      const res = await ctl.clients.controller.CreateVolume({
+        name: pv,
+        capacity_range: { required_bytes: String(320 * MiB) },
+        volume_capabilities: [capFor(kind)],
+        parameters: {
+          'csi.storage.k8s.io/pvc/name': 'data',
+          'csi.storage.k8s.io/pvc/namespace': 'e2e',
+          'csi.storage.k8s.io/pv/name': pv,
+        },
+        accessibility_requirements: {
+          requisite: [{ segments: { 'loopvol.csi.io/pool': 'default' } }],
+          preferred: [],
+        },
+      });
+      volumeId = res.volume?.volume_id ?? '';
+      expect(res.volume?.capacity_bytes).toBe(String(320 * MiB));
     });
-    volumeId = res.volume?.volume_id ?? '';
-    expect(res.volume?.capacity_bytes).toBe(String(320 * MiB));
-  });
 
-  it('is attached, staged and published on node-1, written, and taken down', async () => {
-    const m = await attachAndMount('node-1', volumeId, pv, kind);
-    expect((await fs.stat(m.target))[block ? 'isBlockDevice' : 'isDirectory']()).toBe(true);
-    sum = await writeData(m.target, block, 42);
-    await m.unmountAndDetach();
-    await expect(fs.stat(m.target)).rejects.toThrow(/ENOENT/);
-  });
-
-  it('comes back with its data on the same node and then on node-2', async () => {
-    for (const n of ['node-1', 'node-2']) {
-      const m = await attachAndMount(n, volumeId, pv, kind);
-      expect(await readData(m.target, block)).toBe(sum);
+    it('is attached, staged and published on node-1, written, and taken down', async () => {
+      const m = await attachAndMount('node-1', volumeId, pv, kind);
+      expect((await fs.stat(m.target))[block ? 'isBlockDevice' : 'isDirectory']()).toBe(true);
+      sum = await writeData(m.target, block, 42);
       await m.unmountAndDetach();
-    }
-  });
+      await expect(fs.stat(m.target)).rejects.toThrow(/ENOENT/);
+    });
 
-  it('grows while in use on node-2', async () => {
-    const m = await attachAndMount('node-2', volumeId, pv, kind);
-    const before = await sizeOf(m.target, block);
-    const grown = 640 * MiB;
-    const ce = await ctl.clients.controller.ControllerExpandVolume({ volume_id: volumeId, capacity_range: { required_bytes: String(grown) }, volume_capability: capFor(kind) });
-    expect(ce.node_expansion_required).toBe(true);
-    const expand = () =>
-      node('node-2').node.NodeExpandVolume({
+    it('comes back with its data on the same node and then on node-2', async () => {
+      for (const n of ['node-1', 'node-2']) {
+        const m = await attachAndMount(n, volumeId, pv, kind);
+        expect(await readData(m.target, block)).toBe(sum);
+        await m.unmountAndDetach();
+      }
+    });
+
+    it('grows while in use on node-2', async () => {
+      const m = await attachAndMount('node-2', volumeId, pv, kind);
+      const before = await sizeOf(m.target, block);
+      const grown = 640 * MiB;
+      const ce = await ctl.clients.controller.ControllerExpandVolume({
         volume_id: volumeId,
-        volume_path: m.target,
-        staging_target_path: m.staging,
         capacity_range: { required_bytes: String(grown) },
         volume_capability: capFor(kind),
       });
-    if (kind === 'ext4' && !(await canGrowExt4Online())) {
-      expect(await codeOf(expand())).toBe('FAILED_PRECONDITION');
+      expect(ce.node_expansion_required).toBe(true);
+      const expand = () =>
+        node('node-2').node.NodeExpandVolume({
+          volume_id: volumeId,
+          volume_path: m.target,
+          staging_target_path: m.staging,
+          capacity_range: { required_bytes: String(grown) },
+          volume_capability: capFor(kind),
+        });
+      if (kind === 'ext4' && !(await canGrowExt4Online())) {
+        expect(await codeOf(expand())).toBe('FAILED_PRECONDITION');
+        await m.unmountAndDetach();
+        const again = await attachAndMount('node-2', volumeId, pv, kind);
+        expect((await sizeOf(again.target, block)) - before).toBeGreaterThan(280 * MiB);
+        expect(await readData(again.target, block)).toBe(sum);
+        await again.unmountAndDetach();
+        return;
+      }
+      await expand();
+      expect((await sizeOf(m.target, block)) - before).toBeGreaterThan(280 * MiB);
+      expect(await readData(m.target, block)).toBe(sum);
       await m.unmountAndDetach();
-      const again = await attachAndMount('node-2', volumeId, pv, kind);
-      expect((await sizeOf(again.target, block)) - before).toBeGreaterThan(280 * MiB);
-      expect(await readData(again.target, block)).toBe(sum);
-      await again.unmountAndDetach();
-      return;
-    }
-    await expand();
-    expect((await sizeOf(m.target, block)) - before).toBeGreaterThan(280 * MiB);
-    expect(await readData(m.target, block)).toBe(sum);
-    await m.unmountAndDetach();
-  });
-
-  it('is snapshotted, restored on node-1 with the data, and everything is deleted', async () => {
-    const snap = await ctl.clients.controller.CreateSnapshot({ name: `snapshot-${pv}`, source_volume_id: volumeId });
-    const snapshotId = snap.snapshot?.snapshot_id ?? '';
-    expect(snap.snapshot?.ready_to_use).toBe(true);
-    const restoredPv = `pvc-${randomUUID()}`;
-    const restored = await ctl.clients.controller.CreateVolume({
-      name: restoredPv,
-      volume_capabilities: [capFor(kind)],
-      capacity_range: { required_bytes: String(640 * MiB) },
-      volume_content_source: { snapshot: { snapshot_id: snapshotId } },
     });
-    const restoredId = restored.volume?.volume_id ?? '';
-    const m = await attachAndMount('node-1', restoredId, restoredPv, kind);
-    expect(await readData(m.target, block)).toBe(sum);
-    await m.unmountAndDetach();
-    for (const id of [restoredId, volumeId]) await ctl.clients.controller.DeleteVolume({ volume_id: id });
-    await ctl.clients.controller.DeleteSnapshot({ snapshot_id: snapshotId });
-    expect(await leaksUnder(root)).toEqual({ loops: [], mounts: [] });
-  });
-});
+
+    it('is snapshotted, restored on node-1 with the data, and everything is deleted', async () => {
+      const snap = await ctl.clients.controller.CreateSnapshot({
+        name: `snapshot-${pv}`,
+        source_volume_id: volumeId,
+      });
+      const snapshotId = snap.snapshot?.snapshot_id ?? '';
+      expect(snap.snapshot?.ready_to_use).toBe(true);
+      const restoredPv = `pvc-${randomUUID()}`;
+      const restored = await ctl.clients.controller.CreateVolume({
+        name: restoredPv,
+        volume_capabilities: [capFor(kind)],
+        capacity_range: { required_bytes: String(640 * MiB) },
+        volume_content_source: { snapshot: { snapshot_id: snapshotId } },
+      });
+      const restoredId = restored.volume?.volume_id ?? '';
+      const m = await attachAndMount('node-1', restoredId, restoredPv, kind);
+      expect(await readData(m.target, block)).toBe(sum);
+      await m.unmountAndDetach();
+      for (const id of [restoredId, volumeId]) await ctl.clients.controller.DeleteVolume({ volume_id: id });
+      await ctl.clients.controller.DeleteSnapshot({ snapshot_id: snapshotId });
+      expect(await leaksUnder(root)).toEqual({ loops: [], mounts: [] });
+    });
+  },
+);
 
 // ---------------------------------------------------------------------------------------------
 // Bad input: the spec's code for each RPC (table-driven).
@@ -236,66 +276,341 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])('a %s volume 
 type Call = (c: { ctl: CsiClients; n1: CsiClients }) => Promise<unknown>;
 const GOOD_CAP = capFor('ext4');
 const MISSING_VOL = 'vol-0123456789abcdef0123456789abcdef';
-const HOSTILE_IDS = ['../../../etc/passwd', '/etc/shadow', 'vol-../../x', 'a'.repeat(5000), 'vol-\u0000', '💾'];
+const HOSTILE_IDS = [
+  '../../../etc/passwd',
+  '/etc/shadow',
+  'vol-../../x',
+  'a'.repeat(5000),
+  'vol-\u0000',
+  '💾',
+];
 
 describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
   let existing = '';
   let stagingDir = '';
   beforeAll(async () => {
-    existing = (await ctl.clients.controller.CreateVolume({ name: 'e2e-errors', volume_capabilities: [GOOD_CAP], capacity_range: { required_bytes: String(16 * MiB) } })).volume?.volume_id ?? '';
+    existing =
+      (
+        await ctl.clients.controller.CreateVolume({
+          name: 'e2e-errors',
+          volume_capabilities: [GOOD_CAP],
+          capacity_range: { required_bytes: String(16 * MiB) },
+        })
+      ).volume?.volume_id ?? '';
     stagingDir = path.join(root, 'errors-staging');
     await fs.mkdir(stagingDir, { recursive: true });
   });
 
   const cases: [string, Call, string][] = [
-    ['CreateVolume without a name', ({ ctl }) => ctl.controller.CreateVolume({ volume_capabilities: [GOOD_CAP] }), 'INVALID_ARGUMENT'],
-    ['CreateVolume without capabilities', ({ ctl }) => ctl.controller.CreateVolume({ name: 'x' }), 'INVALID_ARGUMENT'],
-    ['CreateVolume with limit < required', ({ ctl }) => ctl.controller.CreateVolume({ name: 'x', volume_capabilities: [GOOD_CAP], capacity_range: { required_bytes: '10', limit_bytes: '5' } }), 'OUT_OF_RANGE'],
-    ['CreateVolume from a missing snapshot', ({ ctl }) => ctl.controller.CreateVolume({ name: 'x', volume_capabilities: [GOOD_CAP], volume_content_source: { snapshot: { snapshot_id: 'non-existing-snapshot-id' } } }), 'NOT_FOUND'],
-    ['CreateVolume for another pool', ({ ctl }) => ctl.controller.CreateVolume({ name: 'x', volume_capabilities: [GOOD_CAP], accessibility_requirements: { requisite: [{ segments: { 'loopvol.csi.io/pool': 'mars' } }], preferred: [] } }), 'RESOURCE_EXHAUSTED'],
-    ['CreateVolume with an existing name and another size', ({ ctl }) => ctl.controller.CreateVolume({ name: 'e2e-errors', volume_capabilities: [GOOD_CAP], capacity_range: { required_bytes: String(32 * MiB) } }), 'ALREADY_EXISTS'],
+    [
+      'CreateVolume without a name',
+      ({ ctl }) => ctl.controller.CreateVolume({ volume_capabilities: [GOOD_CAP] }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'CreateVolume without capabilities',
+      ({ ctl }) => ctl.controller.CreateVolume({ name: 'x' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'CreateVolume with limit < required',
+      ({ ctl }) =>
+        ctl.controller.CreateVolume({
+          name: 'x',
+          volume_capabilities: [GOOD_CAP],
+          capacity_range: { required_bytes: '10', limit_bytes: '5' },
+        }),
+      'OUT_OF_RANGE',
+    ],
+    [
+      'CreateVolume from a missing snapshot',
+      ({ ctl }) =>
+        ctl.controller.CreateVolume({
+          name: 'x',
+          volume_capabilities: [GOOD_CAP],
+          volume_content_source: { snapshot: { snapshot_id: 'non-existing-snapshot-id' } },
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'CreateVolume for another pool',
+      ({ ctl }) =>
+        ctl.controller.CreateVolume({
+          name: 'x',
+          volume_capabilities: [GOOD_CAP],
+          accessibility_requirements: {
+            requisite: [{ segments: { 'loopvol.csi.io/pool': 'mars' } }],
+            preferred: [],
+          },
+        }),
+      'RESOURCE_EXHAUSTED',
+    ],
+    [
+      'CreateVolume with an existing name and another size',
+      ({ ctl }) =>
+        ctl.controller.CreateVolume({
+          name: 'e2e-errors',
+          volume_capabilities: [GOOD_CAP],
+          capacity_range: { required_bytes: String(32 * MiB) },
+        }),
+      'ALREADY_EXISTS',
+    ],
     ['DeleteVolume without an id', ({ ctl }) => ctl.controller.DeleteVolume({}), 'INVALID_ARGUMENT'],
-    ['ControllerPublishVolume without a volume id', ({ ctl }) => ctl.controller.ControllerPublishVolume({ node_id: 'node-1', volume_capability: GOOD_CAP }), 'INVALID_ARGUMENT'],
-    ['ControllerPublishVolume without a node id', ({ ctl }) => ctl.controller.ControllerPublishVolume({ volume_id: MISSING_VOL, volume_capability: GOOD_CAP }), 'INVALID_ARGUMENT'],
-    ['ControllerPublishVolume without a capability', ({ ctl }) => ctl.controller.ControllerPublishVolume({ volume_id: MISSING_VOL, node_id: 'node-1' }), 'INVALID_ARGUMENT'],
-    ['ControllerPublishVolume of a missing volume', ({ ctl }) => ctl.controller.ControllerPublishVolume({ volume_id: MISSING_VOL, node_id: 'node-1', volume_capability: GOOD_CAP }), 'NOT_FOUND'],
-    ['ControllerUnpublishVolume without an id', ({ ctl }) => ctl.controller.ControllerUnpublishVolume({ node_id: 'node-1' }), 'INVALID_ARGUMENT'],
-    ['ValidateVolumeCapabilities without an id', ({ ctl }) => ctl.controller.ValidateVolumeCapabilities({ volume_capabilities: [GOOD_CAP] }), 'INVALID_ARGUMENT'],
-    ['ValidateVolumeCapabilities of a missing volume', ({ ctl }) => ctl.controller.ValidateVolumeCapabilities({ volume_id: MISSING_VOL, volume_capabilities: [GOOD_CAP] }), 'NOT_FOUND'],
-    ['ListVolumes with a forged token', ({ ctl }) => ctl.controller.ListVolumes({ starting_token: 'forged' }), 'ABORTED'],
-    ['GetCapacity with an unknown parameter', ({ ctl }) => ctl.controller.GetCapacity({ parameters: { turbo: 'yes' } }), 'INVALID_ARGUMENT'],
-    ['ControllerGetVolume without an id', ({ ctl }) => ctl.controller.ControllerGetVolume({}), 'INVALID_ARGUMENT'],
-    ['ControllerGetVolume of a missing volume', ({ ctl }) => ctl.controller.ControllerGetVolume({ volume_id: MISSING_VOL }), 'NOT_FOUND'],
-    ['ControllerExpandVolume without a range', ({ ctl }) => ctl.controller.ControllerExpandVolume({ volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['ControllerExpandVolume of a missing volume', ({ ctl }) => ctl.controller.ControllerExpandVolume({ volume_id: MISSING_VOL, capacity_range: { required_bytes: '1' } }), 'NOT_FOUND'],
-    ['ControllerModifyVolume with an unknown key', ({ ctl }) => ctl.controller.ControllerModifyVolume({ volume_id: MISSING_VOL, mutable_parameters: { turbo: '1' } }), 'INVALID_ARGUMENT'],
-    ['ControllerModifyVolume of a missing volume', ({ ctl }) => ctl.controller.ControllerModifyVolume({ volume_id: MISSING_VOL, mutable_parameters: { allocation: 'sparse' } }), 'NOT_FOUND'],
-    ['CreateSnapshot without a name', ({ ctl }) => ctl.controller.CreateSnapshot({ source_volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['CreateSnapshot without a source', ({ ctl }) => ctl.controller.CreateSnapshot({ name: 's' }), 'INVALID_ARGUMENT'],
-    ['CreateSnapshot of a missing volume', ({ ctl }) => ctl.controller.CreateSnapshot({ name: 's', source_volume_id: MISSING_VOL }), 'NOT_FOUND'],
+    [
+      'ControllerPublishVolume without a volume id',
+      ({ ctl }) => ctl.controller.ControllerPublishVolume({ node_id: 'node-1', volume_capability: GOOD_CAP }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerPublishVolume without a node id',
+      ({ ctl }) =>
+        ctl.controller.ControllerPublishVolume({ volume_id: MISSING_VOL, volume_capability: GOOD_CAP }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerPublishVolume without a capability',
+      ({ ctl }) => ctl.controller.ControllerPublishVolume({ volume_id: MISSING_VOL, node_id: 'node-1' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerPublishVolume of a missing volume',
+      ({ ctl }) =>
+        ctl.controller.ControllerPublishVolume({
+          volume_id: MISSING_VOL,
+          node_id: 'node-1',
+          volume_capability: GOOD_CAP,
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'ControllerUnpublishVolume without an id',
+      ({ ctl }) => ctl.controller.ControllerUnpublishVolume({ node_id: 'node-1' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ValidateVolumeCapabilities without an id',
+      ({ ctl }) => ctl.controller.ValidateVolumeCapabilities({ volume_capabilities: [GOOD_CAP] }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ValidateVolumeCapabilities of a missing volume',
+      ({ ctl }) =>
+        ctl.controller.ValidateVolumeCapabilities({
+          volume_id: MISSING_VOL,
+          volume_capabilities: [GOOD_CAP],
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'ListVolumes with a forged token',
+      ({ ctl }) => ctl.controller.ListVolumes({ starting_token: 'forged' }),
+      'ABORTED',
+    ],
+    [
+      'GetCapacity with an unknown parameter',
+      ({ ctl }) => ctl.controller.GetCapacity({ parameters: { turbo: 'yes' } }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerGetVolume without an id',
+      ({ ctl }) => ctl.controller.ControllerGetVolume({}),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerGetVolume of a missing volume',
+      ({ ctl }) => ctl.controller.ControllerGetVolume({ volume_id: MISSING_VOL }),
+      'NOT_FOUND',
+    ],
+    [
+      'ControllerExpandVolume without a range',
+      ({ ctl }) => ctl.controller.ControllerExpandVolume({ volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerExpandVolume of a missing volume',
+      ({ ctl }) =>
+        ctl.controller.ControllerExpandVolume({
+          volume_id: MISSING_VOL,
+          capacity_range: { required_bytes: '1' },
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'ControllerModifyVolume with an unknown key',
+      ({ ctl }) =>
+        ctl.controller.ControllerModifyVolume({ volume_id: MISSING_VOL, mutable_parameters: { turbo: '1' } }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'ControllerModifyVolume of a missing volume',
+      ({ ctl }) =>
+        ctl.controller.ControllerModifyVolume({
+          volume_id: MISSING_VOL,
+          mutable_parameters: { allocation: 'sparse' },
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'CreateSnapshot without a name',
+      ({ ctl }) => ctl.controller.CreateSnapshot({ source_volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'CreateSnapshot without a source',
+      ({ ctl }) => ctl.controller.CreateSnapshot({ name: 's' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'CreateSnapshot of a missing volume',
+      ({ ctl }) => ctl.controller.CreateSnapshot({ name: 's', source_volume_id: MISSING_VOL }),
+      'NOT_FOUND',
+    ],
     ['DeleteSnapshot without an id', ({ ctl }) => ctl.controller.DeleteSnapshot({}), 'INVALID_ARGUMENT'],
-    ['ListSnapshots with a forged token', ({ ctl }) => ctl.controller.ListSnapshots({ starting_token: 'forged' }), 'ABORTED'],
-    ['GetSnapshot of a missing snapshot', ({ ctl }) => ctl.controller.GetSnapshot({ snapshot_id: 'snap-0123456789abcdef0123456789abcdef' }), 'NOT_FOUND'],
-    ['CreateVolumeGroupSnapshot without sources', ({ ctl }) => ctl.group.CreateVolumeGroupSnapshot({ name: 'g' }), 'INVALID_ARGUMENT'],
-    ['CreateVolumeGroupSnapshot of a missing volume', ({ ctl }) => ctl.group.CreateVolumeGroupSnapshot({ name: 'g', source_volume_ids: [MISSING_VOL] }), 'NOT_FOUND'],
-    ['GetVolumeGroupSnapshot of a missing group', ({ ctl }) => ctl.group.GetVolumeGroupSnapshot({ group_snapshot_id: 'group-0123' }), 'NOT_FOUND'],
-    ['DeleteVolumeGroupSnapshot without an id', ({ ctl }) => ctl.group.DeleteVolumeGroupSnapshot({}), 'INVALID_ARGUMENT'],
-    ['NodeStageVolume without a staging path', ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, volume_capability: GOOD_CAP }), 'INVALID_ARGUMENT'],
-    ['NodeStageVolume with a relative staging path', ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, staging_target_path: 'rel/path', volume_capability: GOOD_CAP }), 'INVALID_ARGUMENT'],
-    ['NodeStageVolume without a capability', ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x' }), 'INVALID_ARGUMENT'],
-    ['NodeStageVolume with an unsafe mount flag', ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x', volume_capability: { mount: { fs_type: 'ext4', mount_flags: ['rbind'] }, access_mode: { mode: 'SINGLE_NODE_WRITER' } } }), 'INVALID_ARGUMENT'],
-    ['NodeStageVolume of a missing volume', ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x', volume_capability: GOOD_CAP }), 'NOT_FOUND'],
-    ['NodeUnstageVolume without a path', ({ n1 }) => n1.node.NodeUnstageVolume({ volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['NodeUnstageVolume of a missing volume', ({ n1 }) => n1.node.NodeUnstageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x' }), 'NOT_FOUND'],
-    ['NodePublishVolume without a target', ({ n1 }) => n1.node.NodePublishVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x', volume_capability: GOOD_CAP }), 'INVALID_ARGUMENT'],
-    ['NodePublishVolume without a staging path', ({ n1 }) => n1.node.NodePublishVolume({ volume_id: MISSING_VOL, target_path: '/tmp/y', volume_capability: GOOD_CAP }), 'FAILED_PRECONDITION'],
-    ['NodePublishVolume of a missing volume', ({ n1 }) => n1.node.NodePublishVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x', target_path: '/tmp/y', volume_capability: GOOD_CAP }), 'NOT_FOUND'],
-    ['NodeUnpublishVolume without a target', ({ n1 }) => n1.node.NodeUnpublishVolume({ volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['NodeUnpublishVolume of a missing volume', ({ n1 }) => n1.node.NodeUnpublishVolume({ volume_id: MISSING_VOL, target_path: '/tmp/nothing-here-e2e' }), 'NOT_FOUND'],
-    ['NodeGetVolumeStats without a path', ({ n1 }) => n1.node.NodeGetVolumeStats({ volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['NodeGetVolumeStats of a missing volume', ({ n1 }) => n1.node.NodeGetVolumeStats({ volume_id: MISSING_VOL, volume_path: '/tmp' }), 'NOT_FOUND'],
-    ['NodeExpandVolume without a path', ({ n1 }) => n1.node.NodeExpandVolume({ volume_id: MISSING_VOL }), 'INVALID_ARGUMENT'],
-    ['NodeExpandVolume of a missing volume', ({ n1 }) => n1.node.NodeExpandVolume({ volume_id: MISSING_VOL, volume_path: '/tmp' }), 'NOT_FOUND'],
+    [
+      'ListSnapshots with a forged token',
+      ({ ctl }) => ctl.controller.ListSnapshots({ starting_token: 'forged' }),
+      'ABORTED',
+    ],
+    [
+      'GetSnapshot of a missing snapshot',
+      ({ ctl }) => ctl.controller.GetSnapshot({ snapshot_id: 'snap-0123456789abcdef0123456789abcdef' }),
+      'NOT_FOUND',
+    ],
+    [
+      'CreateVolumeGroupSnapshot without sources',
+      ({ ctl }) => ctl.group.CreateVolumeGroupSnapshot({ name: 'g' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'CreateVolumeGroupSnapshot of a missing volume',
+      ({ ctl }) => ctl.group.CreateVolumeGroupSnapshot({ name: 'g', source_volume_ids: [MISSING_VOL] }),
+      'NOT_FOUND',
+    ],
+    [
+      'GetVolumeGroupSnapshot of a missing group',
+      ({ ctl }) => ctl.group.GetVolumeGroupSnapshot({ group_snapshot_id: 'group-0123' }),
+      'NOT_FOUND',
+    ],
+    [
+      'DeleteVolumeGroupSnapshot without an id',
+      ({ ctl }) => ctl.group.DeleteVolumeGroupSnapshot({}),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeStageVolume without a staging path',
+      ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, volume_capability: GOOD_CAP }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeStageVolume with a relative staging path',
+      ({ n1 }) =>
+        n1.node.NodeStageVolume({
+          volume_id: MISSING_VOL,
+          staging_target_path: 'rel/path',
+          volume_capability: GOOD_CAP,
+        }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeStageVolume without a capability',
+      ({ n1 }) => n1.node.NodeStageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x' }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeStageVolume with an unsafe mount flag',
+      ({ n1 }) =>
+        n1.node.NodeStageVolume({
+          volume_id: MISSING_VOL,
+          staging_target_path: '/tmp/x',
+          volume_capability: {
+            mount: { fs_type: 'ext4', mount_flags: ['rbind'] },
+            access_mode: { mode: 'SINGLE_NODE_WRITER' },
+          },
+        }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeStageVolume of a missing volume',
+      ({ n1 }) =>
+        n1.node.NodeStageVolume({
+          volume_id: MISSING_VOL,
+          staging_target_path: '/tmp/x',
+          volume_capability: GOOD_CAP,
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'NodeUnstageVolume without a path',
+      ({ n1 }) => n1.node.NodeUnstageVolume({ volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeUnstageVolume of a missing volume',
+      ({ n1 }) => n1.node.NodeUnstageVolume({ volume_id: MISSING_VOL, staging_target_path: '/tmp/x' }),
+      'NOT_FOUND',
+    ],
+    [
+      'NodePublishVolume without a target',
+      ({ n1 }) =>
+        n1.node.NodePublishVolume({
+          volume_id: MISSING_VOL,
+          staging_target_path: '/tmp/x',
+          volume_capability: GOOD_CAP,
+        }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodePublishVolume without a staging path',
+      ({ n1 }) =>
+        n1.node.NodePublishVolume({
+          volume_id: MISSING_VOL,
+          target_path: '/tmp/y',
+          volume_capability: GOOD_CAP,
+        }),
+      'FAILED_PRECONDITION',
+    ],
+    [
+      'NodePublishVolume of a missing volume',
+      ({ n1 }) =>
+        n1.node.NodePublishVolume({
+          volume_id: MISSING_VOL,
+          staging_target_path: '/tmp/x',
+          target_path: '/tmp/y',
+          volume_capability: GOOD_CAP,
+        }),
+      'NOT_FOUND',
+    ],
+    [
+      'NodeUnpublishVolume without a target',
+      ({ n1 }) => n1.node.NodeUnpublishVolume({ volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeUnpublishVolume of a missing volume',
+      ({ n1 }) =>
+        n1.node.NodeUnpublishVolume({ volume_id: MISSING_VOL, target_path: '/tmp/nothing-here-e2e' }),
+      'NOT_FOUND',
+    ],
+    [
+      'NodeGetVolumeStats without a path',
+      ({ n1 }) => n1.node.NodeGetVolumeStats({ volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeGetVolumeStats of a missing volume',
+      ({ n1 }) => n1.node.NodeGetVolumeStats({ volume_id: MISSING_VOL, volume_path: '/tmp' }),
+      'NOT_FOUND',
+    ],
+    [
+      'NodeExpandVolume without a path',
+      ({ n1 }) => n1.node.NodeExpandVolume({ volume_id: MISSING_VOL }),
+      'INVALID_ARGUMENT',
+    ],
+    [
+      'NodeExpandVolume of a missing volume',
+      ({ n1 }) => n1.node.NodeExpandVolume({ volume_id: MISSING_VOL, volume_path: '/tmp' }),
+      'NOT_FOUND',
+    ],
   ];
 
   it.each(cases)('%s → %s', async (_what, call, code) => {
@@ -304,11 +619,49 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
 
   it('publishes nothing before staging, and refuses an existing volume on a node it is not published to', async () => {
     const target = path.join(root, 'errors-target');
-    expect(await codeOf(node('node-1').node.NodePublishVolume({ volume_id: existing, staging_target_path: stagingDir, target_path: target, volume_capability: GOOD_CAP }))).toBe('FAILED_PRECONDITION');
-    await ctl.clients.controller.ControllerPublishVolume({ volume_id: existing, node_id: 'node-1', volume_capability: GOOD_CAP });
-    expect(await codeOf(ctl.clients.controller.ControllerPublishVolume({ volume_id: existing, node_id: 'node-2', volume_capability: GOOD_CAP }))).toBe('FAILED_PRECONDITION');
-    expect(await codeOf(ctl.clients.controller.ControllerPublishVolume({ volume_id: existing, node_id: 'node-1', volume_capability: GOOD_CAP, readonly: true }))).toBe('ALREADY_EXISTS');
-    expect(await codeOf(ctl.clients.controller.ControllerPublishVolume({ volume_id: existing, node_id: 'no-such-node', volume_capability: GOOD_CAP }))).toBe('NOT_FOUND');
+    expect(
+      await codeOf(
+        node('node-1').node.NodePublishVolume({
+          volume_id: existing,
+          staging_target_path: stagingDir,
+          target_path: target,
+          volume_capability: GOOD_CAP,
+        }),
+      ),
+    ).toBe('FAILED_PRECONDITION');
+    await ctl.clients.controller.ControllerPublishVolume({
+      volume_id: existing,
+      node_id: 'node-1',
+      volume_capability: GOOD_CAP,
+    });
+    expect(
+      await codeOf(
+        ctl.clients.controller.ControllerPublishVolume({
+          volume_id: existing,
+          node_id: 'node-2',
+          volume_capability: GOOD_CAP,
+        }),
+      ),
+    ).toBe('FAILED_PRECONDITION');
+    expect(
+      await codeOf(
+        ctl.clients.controller.ControllerPublishVolume({
+          volume_id: existing,
+          node_id: 'node-1',
+          volume_capability: GOOD_CAP,
+          readonly: true,
+        }),
+      ),
+    ).toBe('ALREADY_EXISTS');
+    expect(
+      await codeOf(
+        ctl.clients.controller.ControllerPublishVolume({
+          volume_id: existing,
+          node_id: 'no-such-node',
+          volume_capability: GOOD_CAP,
+        }),
+      ),
+    ).toBe('NOT_FOUND');
     await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: existing, node_id: 'node-1' });
   });
 
@@ -317,15 +670,29 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
     expect(await codeOf(ctl.clients.controller.DeleteVolume({ volume_id: id }))).toBe('OK');
     expect(await codeOf(ctl.clients.controller.ControllerGetVolume({ volume_id: id }))).toBe('NOT_FOUND');
     expect(await codeOf(ctl.clients.controller.DeleteSnapshot({ snapshot_id: id }))).toBe('OK');
-    expect(await codeOf(node('node-1').node.NodeStageVolume({ volume_id: id, staging_target_path: stagingDir, volume_capability: GOOD_CAP }))).toBe('NOT_FOUND');
-    expect(await codeOf(node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: stagingDir }))).toBe('NOT_FOUND');
+    expect(
+      await codeOf(
+        node('node-1').node.NodeStageVolume({
+          volume_id: id,
+          staging_target_path: stagingDir,
+          volume_capability: GOOD_CAP,
+        }),
+      ),
+    ).toBe('NOT_FOUND');
+    expect(
+      await codeOf(node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: stagingDir })),
+    ).toBe('NOT_FOUND');
     expect(await fs.readdir(path.join(root, 'pool'))).toEqual(before);
     await expect(fs.stat('/etc/passwd')).resolves.toBeTruthy();
   });
 
   it('accepts any name, however odd, as a name', async () => {
     for (const name of ['名前/../../etc', 'a'.repeat(1000), ' leading space', 'x\ny']) {
-      const v = await ctl.clients.controller.CreateVolume({ name, volume_capabilities: [capFor('block')], capacity_range: { required_bytes: String(MiB) } });
+      const v = await ctl.clients.controller.CreateVolume({
+        name,
+        volume_capabilities: [capFor('block')],
+        capacity_range: { required_bytes: String(MiB) },
+      });
       expect(v.volume?.volume_id).toMatch(/^vol-[0-9a-f]{32}$/);
       await ctl.clients.controller.DeleteVolume({ volume_id: v.volume?.volume_id ?? '' });
     }
@@ -344,26 +711,81 @@ describe.skipIf(!isRoot())('every RPC called twice', () => {
       expect(JSON.stringify(b), what).toBe(JSON.stringify(a));
       return b;
     };
-    const vol = await twice('CreateVolume', () => ctl.clients.controller.CreateVolume({ name: 'twice', volume_capabilities: [cap], capacity_range: { required_bytes: String(32 * MiB) } }));
+    const vol = await twice('CreateVolume', () =>
+      ctl.clients.controller.CreateVolume({
+        name: 'twice',
+        volume_capabilities: [cap],
+        capacity_range: { required_bytes: String(32 * MiB) },
+      }),
+    );
     const id = vol.volume?.volume_id ?? '';
-    await twice('ValidateVolumeCapabilities', () => ctl.clients.controller.ValidateVolumeCapabilities({ volume_id: id, volume_capabilities: [cap] }));
-    await twice('ControllerModifyVolume', () => ctl.clients.controller.ControllerModifyVolume({ volume_id: id, mutable_parameters: { allocation: 'preallocate' } }));
-    await twice('ControllerPublishVolume', () => ctl.clients.controller.ControllerPublishVolume({ volume_id: id, node_id: 'node-1', volume_capability: cap }));
+    await twice('ValidateVolumeCapabilities', () =>
+      ctl.clients.controller.ValidateVolumeCapabilities({ volume_id: id, volume_capabilities: [cap] }),
+    );
+    await twice('ControllerModifyVolume', () =>
+      ctl.clients.controller.ControllerModifyVolume({
+        volume_id: id,
+        mutable_parameters: { allocation: 'preallocate' },
+      }),
+    );
+    await twice('ControllerPublishVolume', () =>
+      ctl.clients.controller.ControllerPublishVolume({
+        volume_id: id,
+        node_id: 'node-1',
+        volume_capability: cap,
+      }),
+    );
     const p = kubeletPaths('node-1', id, 'twice', randomUUID(), false);
     await fs.mkdir(p.staging, { recursive: true });
     await fs.mkdir(path.dirname(p.target), { recursive: true });
-    await twice('NodeStageVolume', () => node('node-1').node.NodeStageVolume({ volume_id: id, staging_target_path: p.staging, volume_capability: cap }));
-    await twice('NodePublishVolume', () => node('node-1').node.NodePublishVolume({ volume_id: id, staging_target_path: p.staging, target_path: p.target, volume_capability: cap }));
-    await twice('ControllerExpandVolume', () => ctl.clients.controller.ControllerExpandVolume({ volume_id: id, capacity_range: { required_bytes: String(64 * MiB) } }));
+    await twice('NodeStageVolume', () =>
+      node('node-1').node.NodeStageVolume({
+        volume_id: id,
+        staging_target_path: p.staging,
+        volume_capability: cap,
+      }),
+    );
+    await twice('NodePublishVolume', () =>
+      node('node-1').node.NodePublishVolume({
+        volume_id: id,
+        staging_target_path: p.staging,
+        target_path: p.target,
+        volume_capability: cap,
+      }),
+    );
+    await twice('ControllerExpandVolume', () =>
+      ctl.clients.controller.ControllerExpandVolume({
+        volume_id: id,
+        capacity_range: { required_bytes: String(64 * MiB) },
+      }),
+    );
     await codeOf(node('node-1').node.NodeExpandVolume({ volume_id: id, volume_path: p.target }));
-    const s = await twice('CreateSnapshot', () => ctl.clients.controller.CreateSnapshot({ name: 'twice-snap', source_volume_id: id }));
-    await twice('GetSnapshot', () => ctl.clients.controller.GetSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }));
-    const g = await twice('CreateVolumeGroupSnapshot', () => ctl.clients.group.CreateVolumeGroupSnapshot({ name: 'twice-group', source_volume_ids: [id] }));
-    await twice('DeleteVolumeGroupSnapshot', () => ctl.clients.group.DeleteVolumeGroupSnapshot({ group_snapshot_id: g.group_snapshot?.group_snapshot_id ?? '' }));
-    await twice('NodeUnpublishVolume', () => node('node-1').node.NodeUnpublishVolume({ volume_id: id, target_path: p.target }));
-    await twice('NodeUnstageVolume', () => node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: p.staging }));
-    await twice('ControllerUnpublishVolume', () => ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }));
-    await twice('DeleteSnapshot', () => ctl.clients.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }));
+    const s = await twice('CreateSnapshot', () =>
+      ctl.clients.controller.CreateSnapshot({ name: 'twice-snap', source_volume_id: id }),
+    );
+    await twice('GetSnapshot', () =>
+      ctl.clients.controller.GetSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
+    );
+    const g = await twice('CreateVolumeGroupSnapshot', () =>
+      ctl.clients.group.CreateVolumeGroupSnapshot({ name: 'twice-group', source_volume_ids: [id] }),
+    );
+    await twice('DeleteVolumeGroupSnapshot', () =>
+      ctl.clients.group.DeleteVolumeGroupSnapshot({
+        group_snapshot_id: g.group_snapshot?.group_snapshot_id ?? '',
+      }),
+    );
+    await twice('NodeUnpublishVolume', () =>
+      node('node-1').node.NodeUnpublishVolume({ volume_id: id, target_path: p.target }),
+    );
+    await twice('NodeUnstageVolume', () =>
+      node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: p.staging }),
+    );
+    await twice('ControllerUnpublishVolume', () =>
+      ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }),
+    );
+    await twice('DeleteSnapshot', () =>
+      ctl.clients.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
+    );
     await twice('DeleteVolume', () => ctl.clients.controller.DeleteVolume({ volume_id: id }));
     for (const [what, call] of [
       ['GetPluginInfo', () => ctl.clients.identity.GetPluginInfo({})],
