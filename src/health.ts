@@ -29,9 +29,14 @@ export function toolsFor(mode: Mode): string[] {
   return [...tools];
 }
 
+/** Tools found once stay found (a package is not uninstalled under a running driver); missing ones are looked for again. */
+const found = new Set<string>();
+
 /** A sentence saying why this process is not ready, or undefined when it is. */
 export async function readinessProblem(pool: Pool, mode: Mode): Promise<string | undefined> {
-  const [poolProblem, missing] = await Promise.all([pool.checkUsable(), missingTools(toolsFor(mode))]);
+  const unchecked = toolsFor(mode).filter((t) => !found.has(t));
+  const [poolProblem, missing] = await Promise.all([pool.checkUsable(), missingTools(unchecked)]);
+  for (const t of unchecked) if (!missing.includes(t)) found.add(t);
   const problems: string[] = [];
   if (poolProblem) problems.push(poolProblem);
   if (missing.length > 0) problems.push(`missing tools: ${missing.join(', ')}`);

@@ -42,6 +42,7 @@ import {
   unmountAll,
 } from '../host/mounts.js';
 import { isVolumeId } from '../pool/ids.js';
+import { allocatedBytes } from '../pool/images.js';
 import type { NodeRegistry } from '../pool/nodes.js';
 import {
   type AccessMode,
@@ -233,28 +234,31 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
    */
   async function unmountOurs(
     ctx: CallContext,
-    image: string,
     p: string,
-  ): Promise<'none' | 'ours' | 'foreign'> {
-    const mounts = mountsAt(await readMounts(), p);
-    if (mounts.length === 0) return 'none';
-    const loops = await loopsFor(image);
+    table: MountEntry[],
+    loops: readonly LoopDevice[],
+  ): Promise<{ outcome: 'none' | 'ours' | 'foreign'; table: MountEntry[]; unmounted: MountEntry[] }> {
+    const mounts = mountsAt(table, p);
+    if (mounts.length === 0) return { outcome: 'none', table, unmounted: [] };
     const foreign = mounts.find((m) => !loopOfMount(m, loops));
     if (foreign) {
       ctx.log.warn(
         { path: p, source: foreign.source },
         'this path holds a mount of something else; leaving it alone',
       );
-      return 'foreign';
+      return { outcome: 'foreign', table, unmounted: [] };
     }
-    await unmountAll(ctx, p);
-    return 'ours';
+    return { outcome: 'ours', table: await unmountAll(ctx, p, table), unmounted: mounts };
   }
 
-  /** Detaches the loop devices of `image` that no mount uses any more. */
-  async function detachUnused(ctx: CallContext, image: string, keep?: LoopDevice): Promise<void> {
-    const mounts = await readMounts();
-    for (const loop of await loopsFor(image)) {
+  /** Detaches the loop devices in `loops` that no mount of `mounts` (a fresh table) uses. */
+  async function detachUnused(
+    ctx: CallContext,
+    loops: readonly LoopDevice[],
+    mounts: readonly MountEntry[],
+    keep?: LoopDevice,
+  ): Promise<void> {
+    for (const loop of loops) {
       if (keep && loop.name === keep.name) continue;
       const used = mounts.some((m) => loopOfMount(m, [loop]));
       if (!used) {
@@ -430,12 +434,11 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
           }
 
           const initialized = await volumes.isInitialized(v.id);
-          const decision = decideFormat(
-            await probeDevice(ctx, loop.path),
-            initialized,
-            cap.fsType,
-            vol.fsType,
-          );
+          // An image with no block allocated (a fresh sparse volume) reads as zeros: it holds no
+          // signature, so blkid has nothing to find. Anything else is probed.
+          const fresh = !initialized && (await allocatedBytes(image)) === 0;
+          const content: DeviceContent = fresh ? { kind: 'blank' } : await probeDevice(ctx, loop.path);
+          const decision = decideFormat(content, initialized, cap.fsType, vol.fsType);
           if (decision.action === 'refuse') throw failedPrecondition(`Volume ${v.id} ${decision.reason}`);
           const fsType = decision.fsType;
           let growAfterMount = false;
@@ -528,9 +531,9 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
             `Volume ${v.id} is still published at ${published.map((m) => m.mountPoint).join(', ')}; unpublish it first.`,
           );
         }
-        if ((await unmountOurs(ctx, image, staging)) === 'ours')
-          ctx.log.info({ staging }, 'unmounted staging path');
-        await detachUnused(ctx, image);
+        const { outcome, table } = await unmountOurs(ctx, staging, mounts, loops);
+        if (outcome === 'ours') ctx.log.info({ staging }, 'unmounted staging path');
+        await detachUnused(ctx, loops, table);
         if (lease) await volumes.dropLease(v.id, nodeId);
         return {};
       },
@@ -638,13 +641,17 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
               timeoutMs: 60_000,
             });
           }
-          const now = mountsAt(await readMounts(), target).at(-1);
-          if (!now)
-            throw internal(
-              `The bind mount of volume ${v.id} at ${target} did not appear in the mount table.`,
-            );
-          if (readOnly && !isReadOnlyMount(now)) {
-            await ctx.run('mount', ['-o', 'remount,bind,ro', target], { timeoutMs: 60_000 });
+          if (readOnly) {
+            // Read-only is a promise to the pod: check the kernel kept it (old util-linux needs a remount).
+            const now = mountsAt(await readMounts(), target).at(-1);
+            if (!now) {
+              throw internal(
+                `The bind mount of volume ${v.id} at ${target} did not appear in the mount table.`,
+              );
+            }
+            if (!isReadOnlyMount(now)) {
+              await ctx.run('mount', ['-o', 'remount,bind,ro', target], { timeoutMs: 60_000 });
+            }
           }
           ctx.log.info({ target, readOnly, block: isBlock }, 'published volume');
           return {};
@@ -670,22 +677,23 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
         const target = await canonicalPath(v.target);
         const image = volumes.imagePath(v.id);
         const known = (await volumes.read(v.id)) !== undefined;
-        const outcome = await unmountOurs(ctx, image, target);
+        const loops = await loopsFor(image);
+        const { outcome, table, unmounted } = await unmountOurs(ctx, target, await readMounts(), loops);
         if (outcome === 'foreign') return {};
-        const unmounted = outcome === 'ours';
         const present =
-          unmounted ||
+          outcome === 'ours' ||
           (await fs.lstat(target).then(
             () => true,
             () => false,
           ));
         if (!known && !present) throw notFound(`Volume ${v.id} does not exist.`);
         await removeTarget(target);
-        // A read-only loop device attached only for a block publish goes with it.
-        const lease = await volumes.lease(v.id, nodeId);
-        const staged = stagingLoop(await loopsFor(image), lease, await readMounts());
-        if (staged) await detachUnused(ctx, image, staged);
-        if (unmounted) ctx.log.info({ target }, 'unpublished volume');
+        if (unmounted.some(isDeviceBind)) {
+          // A read-only loop device attached only for this block publish goes with it.
+          const staged = stagingLoop(loops, await volumes.lease(v.id, nodeId), table);
+          if (staged) await detachUnused(ctx, loops, table, staged);
+        }
+        if (outcome === 'ours') ctx.log.info({ target }, 'unpublished volume');
         return {};
       },
     }),

@@ -79,19 +79,28 @@ export async function canonicalPath(p: string): Promise<string> {
   return path.join(await canonicalPath(parent), path.basename(normal));
 }
 
-/** Unmounts every mount stacked on `mountPoint`; a path that is not mounted is fine. */
-export async function unmountAll(ctx: CallContext, mountPoint: string): Promise<number> {
-  let count = 0;
-  for (let i = 0; i < 16; i++) {
-    const stacked = mountsAt(await readMounts(), mountPoint);
-    if (stacked.length === 0) return count;
-    try {
-      await ctx.run('umount', [mountPoint], { timeoutMs: 120_000 });
-    } catch (err) {
-      // A mount that vanished between our look and umount is what we wanted.
-      if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
+/**
+ * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine) and returns the
+ * mount table as it is afterwards. `table` is a mount table just read, to save reading it again.
+ */
+export async function unmountAll(
+  ctx: CallContext,
+  mountPoint: string,
+  table?: MountEntry[],
+): Promise<MountEntry[]> {
+  let current = table ?? (await readMounts());
+  for (let round = 0; round < 4; round++) {
+    const stacked = mountsAt(current, mountPoint).length;
+    if (stacked === 0) return current;
+    for (let i = 0; i < stacked; i++) {
+      try {
+        await ctx.run('umount', [mountPoint], { timeoutMs: 120_000 });
+      } catch (err) {
+        // A mount that vanished between our look and umount is what we wanted.
+        if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
+      }
     }
-    count++;
+    current = await readMounts();
   }
-  throw new Error(`${mountPoint} is still mounted after 16 unmounts`);
+  throw new Error(`${mountPoint} is still mounted after repeated unmounts`);
 }

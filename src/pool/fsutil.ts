@@ -35,16 +35,20 @@ async function writeTemp(file: string, data: string, sync: boolean): Promise<str
   return tmp;
 }
 
-/** Replaces `file` with `data` atomically and durably (temp file, fsync, rename, fsync dir). */
-export async function writeFileAtomic(file: string, data: string): Promise<void> {
-  const tmp = await writeTemp(file, data, true);
+/**
+ * Replaces `file` with `data` atomically (temp file, rename) and, unless `durable` is false, durably
+ * (fsync of the file before the rename and of the directory after it). A non-durable write is for
+ * states a crash may lose without harm.
+ */
+export async function writeFileAtomic(file: string, data: string, durable = true): Promise<void> {
+  const tmp = await writeTemp(file, data, durable);
   try {
     await fs.rename(tmp, file);
   } catch (err) {
     await fs.rm(tmp, { force: true });
     throw err;
   }
-  await fsyncDir(path.dirname(file));
+  if (durable) await fsyncDir(path.dirname(file));
 }
 
 /**

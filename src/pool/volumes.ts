@@ -87,8 +87,8 @@ export class VolumeStore {
     return meta;
   }
 
-  private async writeMeta(meta: VolumeMeta): Promise<void> {
-    await writeFileAtomic(this.layout.volumeMeta(meta.id), json(meta));
+  private async writeMeta(meta: VolumeMeta, durable = true): Promise<void> {
+    await writeFileAtomic(this.layout.volumeMeta(meta.id), json(meta), durable);
   }
 
   /**
@@ -118,20 +118,22 @@ export class VolumeStore {
       );
       let promisedAfter: number | undefined;
       try {
+        // Nothing before the final "ready" record needs to survive a power cut: a retry finds either
+        // no directory or an unfinished one, and starts over. So only that record (and the image and
+        // the directory entry it stands for) is synced.
         await fs.mkdir(dir, { mode: 0o750 });
-        await fsyncDir(this.layout.volumesDir);
         failpoint('create-volume:dir');
-        await this.writeMeta({ ...meta, state: 'creating' });
+        await this.writeMeta({ ...meta, state: 'creating' }, false);
         failpoint('create-volume:meta-creating');
         const partial = this.layout.volumeImageTemp(id);
         const { initialized } = await fill(partial);
         failpoint('create-volume:image-written');
         await fs.rename(partial, this.layout.volumeImage(id));
-        await fsyncDir(dir);
         failpoint('create-volume:image-renamed');
         if (initialized) await this.markInitialized(id, 'controller (content source)');
         const ready: VolumeMeta = { ...meta, state: 'ready', updatedAt: new Date().toISOString() };
-        await this.writeMeta(ready);
+        await this.writeMeta(ready); // its directory sync also makes the image's rename durable
+        await fsyncDir(this.layout.volumesDir);
         failpoint('create-volume:ready');
         promisedAfter = Math.max(0, meta.capacityBytes - (await allocatedBytes(this.layout.volumeImage(id))));
         return { volume: ready, created: true };
