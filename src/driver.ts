@@ -112,7 +112,7 @@ export async function startDriver(
     if (nodeId === undefined) throw new Error('the node service needs --nodeid');
     await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
     await thawPoolFilesystems(startupContext(log, runner), pool.root);
-    const node = nodeService({ config: { ...config, nodeId }, volumes, nodes });
+    const node = nodeService({ config: { ...config, nodeId }, volumes, nodes, poolRoot: pool.root });
     server.addService(proto.Node.service, buildService<NodeHandlers>('Node', proto.Node.service, node, deps));
   }
 

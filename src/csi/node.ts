@@ -12,7 +12,15 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Config } from '../config.js';
-import { CsiError, alreadyExists, errnoCode, failedPrecondition, internal, notFound } from '../errors.js';
+import {
+  CsiError,
+  alreadyExists,
+  errnoCode,
+  failedPrecondition,
+  internal,
+  invalidArgument,
+  notFound,
+} from '../errors.js';
 import { CommandError } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import type { NodeHandlers } from '../gen/csi/v1/Node.js';
@@ -62,6 +70,8 @@ export interface NodeDeps {
   config: Pick<Config, 'poolName' | 'maxVolumesPerNode' | 'loopDirectIo'> & { nodeId: string };
   volumes: VolumeStore;
   nodes: NodeRegistry;
+  /** The pool's real path: no staging or target path may lie inside it. */
+  poolRoot: string;
 }
 
 export const NODE_CAPABILITIES = [
@@ -146,6 +156,25 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
   const { volumes } = d;
   const nodeId = d.config.nodeId;
   const lockKey = (id: string): string => `node:${id}`;
+
+  /**
+   * The canonical form of a staging or target path the CO gave, refused when it is the root or lies in
+   * the pool (a mount there would hand a pod the pool's own files).
+   */
+  async function callerPath(p: string, field: string): Promise<string> {
+    const real = await canonicalPath(p);
+    if (
+      real === '/' ||
+      real === d.poolRoot ||
+      real.startsWith(`${d.poolRoot}/`) ||
+      d.poolRoot.startsWith(`${real}/`)
+    ) {
+      throw invalidArgument(
+        `${field} ${p} is the root, the pool, or a directory holding the pool; refusing to mount there.`,
+      );
+    }
+    return real;
+  }
 
   async function mustGetVolume(id: string) {
     const meta = isVolumeId(id) ? await volumes.get(id) : undefined;
@@ -327,7 +356,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
             `Volume ${v.id} was published from pool ${v.publishPool}, but this node serves ${d.config.poolName}.`,
           );
         }
-        const staging = await canonicalPath(v.staging);
+        const staging = await callerPath(v.staging, 'staging_target_path');
         const image = volumes.imagePath(v.id);
         const readOnly = isReaderOnly(v.cap.mode);
         const cap: Capability = v.cap;
@@ -560,8 +589,8 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
       locks: (v) => [lockKey(v.id)],
       run: async (v, ctx) => {
         await mustGetVolume(v.id);
-        const staging = await canonicalPath(v.staging);
-        const target = await canonicalPath(v.target);
+        const staging = await callerPath(v.staging, 'staging_target_path');
+        const target = await callerPath(v.target, 'target_path');
         const image = volumes.imagePath(v.id);
         const readOnly = v.readonly || isReaderOnly(v.cap.mode);
         const loops = await loopsFor(image);

@@ -14,6 +14,9 @@ import { createExclusive, fsyncDir, isRecord, listDir, readJson } from './fsutil
 import { POOL_FORMAT, PoolLayout } from './layout.js';
 import { isHeld, LockManager } from './lock.js';
 
+/** How long a call waits for a pool lock another call holds. */
+const LOCK_WAIT_MS = 2_000;
+
 export class PoolError extends Error {
   override readonly name = 'PoolError';
 }
@@ -87,9 +90,17 @@ export class Pool {
     return this.formatProblem();
   }
 
-  /** Runs `fn` holding the cross-process lock `key`; ABORTED when another process holds it. */
-  async withLock<T>(key: string, purpose: string, fn: () => Promise<T>): Promise<T> {
-    const got = await this.locks.tryAcquire(key, purpose);
+  /**
+   * Runs `fn` holding the cross-process lock `key`. Pool locks guard short steps, so a busy lock is
+   * waited for (up to `waitMs`) before the call gives up with ABORTED.
+   */
+  async withLock<T>(key: string, purpose: string, fn: () => Promise<T>, waitMs = LOCK_WAIT_MS): Promise<T> {
+    const deadline = Date.now() + waitMs;
+    let got = await this.locks.tryAcquire(key, purpose);
+    for (let pause = 2; !isHeld(got) && Date.now() < deadline; pause = Math.min(pause * 2, 50)) {
+      await new Promise((r) => setTimeout(r, pause + Math.random() * pause));
+      got = await this.locks.tryAcquire(key, purpose);
+    }
     if (!isHeld(got)) throw aborted(`${key} is being changed by ${got.holder}; retry later.`);
     try {
       return await fn();

@@ -22,6 +22,8 @@ export interface DriverProcess {
   readonly clients: CsiClients;
   /** Log lines (JSON) printed so far. */
   logs(): string[];
+  /** Waits (up to 5 s) for a log line that satisfies `match`; the driver writes its log asynchronously. */
+  waitForLog(match: (line: string) => boolean): Promise<boolean>;
   stderr(): string;
   /** Sends a signal and waits for the exit code. */
   stop(signal?: NodeJS.Signals): Promise<number | null>;
@@ -109,6 +111,13 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
     poolDir,
     clients,
     logs: () => out.split('\n').filter(Boolean),
+    async waitForLog(match) {
+      for (let i = 0; i < 100; i++) {
+        if (out.split('\n').some((l) => l !== '' && match(l))) return true;
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      return false;
+    },
     stderr: () => err,
     exited,
     async stop(signal: NodeJS.Signals = 'SIGTERM') {

@@ -531,12 +531,12 @@ describe('capacity', () => {
 
 describe('ControllerPublishVolume: the attach fence', () => {
   let d: DriverProcess;
-  let n2: DriverProcess;
   let id = '';
   beforeAll(async () => {
     const base = await dir('fence');
     d = await driver({ dir: base, extra: ['--max-volumes-per-node=3'] });
-    n2 = await driver({ dir: base, socket: path.join(base, 'n2.sock'), nodeId: 'node-2', mode: 'node' });
+    // A second node plugin on the same pool registers node-2.
+    await driver({ dir: base, socket: path.join(base, 'n2.sock'), nodeId: 'node-2', mode: 'node' });
     id =
       (await d.clients.controller.CreateVolume({ name: 'pvc-fence', volume_capabilities: [mountCap()] }))
         .volume?.volume_id ?? '';
@@ -655,7 +655,6 @@ describe('ControllerPublishVolume: the attach fence', () => {
       volume_capability: blockCap(),
     });
     for (const v of ids) await d.clients.controller.ControllerUnpublishVolume({ volume_id: v, node_id: '' });
-    expect(n2.logs().length).toBeGreaterThan(0);
   });
 });
 

@@ -148,13 +148,13 @@ describe.skipIf(!isRoot()).each([
     const cost = (await usedBytes(pool.mountPoint)) - before;
     if (reflink) {
       expect(cost).toBeLessThan(4 * MiB);
-      expect(d.logs().some((l) => l.includes('"how":"reflink"'))).toBe(true);
+      expect(await d.waitForLog((l) => l.includes('"how":"reflink"'))).toBe(true);
     } else {
       expect(cost).toBeGreaterThan(60 * MiB);
       expect(cost).toBeLessThan(110 * MiB);
-      expect(d.logs().some((l) => l.includes('"how":"sparse-copy"'))).toBe(true);
+      expect(await d.waitForLog((l) => l.includes('"how":"sparse-copy"'))).toBe(true);
     }
-    expect(d.logs().some((l) => l.includes('froze filesystems'))).toBe(true);
+    expect(await d.waitForLog((l) => l.includes('froze filesystems'))).toBe(true);
     // Idempotent by name; the same name for another volume is refused.
     expect(
       (await d.clients.controller.CreateSnapshot({ name: 'snap-a', source_volume_id: srcId })).snapshot
@@ -198,6 +198,18 @@ describe.skipIf(!isRoot()).each([
         }),
       ),
     ).toBe('OUT_OF_RANGE');
+  });
+
+  it('preallocates a volume in use without touching its data', async () => {
+    const before = await sha256(path.join(srcUse.target, 'data.bin'));
+    await d.clients.controller.ControllerModifyVolume({
+      volume_id: srcId,
+      mutable_parameters: { allocation: 'preallocate' },
+    });
+    expect(await diskUsage(path.join(d.poolDir, 'volumes', srcId, 'disk.img'))).toBeGreaterThanOrEqual(
+      256 * MiB,
+    );
+    expect(await sha256(path.join(srcUse.target, 'data.bin'))).toBe(before);
   });
 
   it('clones a volume with its current data', async () => {

@@ -325,6 +325,48 @@ describe.skipIf(!isRoot())('node lifecycle', () => {
     }
   });
 
+  it('creates loop devices through /dev/loop-control when the existing ones are taken', async () => {
+    const count = 12; // more than the loop0–loop7 a machine starts with
+    const vols = await Promise.all(
+      Array.from({ length: count }, (_, i) => makeVolume(d, base, `pvc-many-${i}`, blockCap(), 4 * MiB)),
+    );
+    for (const v of vols) await v.stage();
+    const devices = new Set<string>();
+    for (const v of vols) for (const l of await v.loops()) devices.add(l.split(' ')[0] ?? '');
+    expect(devices.size).toBe(count);
+    for (const v of vols) await v.unstage();
+    for (const v of vols) expect(await v.loops()).toEqual([]);
+  });
+
+  it('refuses to mount at the root or inside the pool', async () => {
+    const v = await makeVolume(d, base, 'pvc-paths', mountCap('ext4'), 16 * MiB);
+    for (const bad of ['/', d.poolDir, path.join(d.poolDir, 'volumes'), path.dirname(d.poolDir)]) {
+      expect(
+        await codeOf(
+          d.clients.node.NodeStageVolume({
+            volume_id: v.id,
+            staging_target_path: bad,
+            volume_capability: v.cap,
+          }),
+        ),
+        bad,
+      ).toBe('INVALID_ARGUMENT');
+    }
+    await v.stage();
+    expect(
+      await codeOf(
+        d.clients.node.NodePublishVolume({
+          volume_id: v.id,
+          staging_target_path: v.staging,
+          target_path: path.join(d.poolDir, 'x'),
+          volume_capability: v.cap,
+        }),
+      ),
+    ).toBe('INVALID_ARGUMENT');
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+  });
+
   it('answers stats errors by the spec', async () => {
     const v = await makeVolume(d, base, 'pvc-stats', mountCap('ext4'), 32 * MiB);
     expect(

@@ -89,9 +89,9 @@ describe('identity over a unix socket', () => {
     const err = await errorOf(d.clients.identity.Probe({}));
     expect(err.code).toBe('FAILED_PRECONDITION');
     expect(err.details).toContain('pool');
-    expect(d.logs().some((l) => l.includes('"method":"Probe"') && l.includes('FAILED_PRECONDITION'))).toBe(
-      true,
-    );
+    expect(
+      await d.waitForLog((l) => l.includes('"method":"Probe"') && l.includes('FAILED_PRECONDITION')),
+    ).toBe(true);
   });
 
   it('serves a custom driver name', async () => {
@@ -117,7 +117,7 @@ describe('the socket', () => {
     expect((await fs.lstat(first.socket)).isSocket()).toBe(true);
     const second = await driver({ dir: base });
     expect((await second.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
-    expect(second.logs().some((l) => l.includes('stale socket'))).toBe(true);
+    expect(await second.waitForLog((l) => l.includes('stale socket'))).toBe(true);
   });
 
   it('refuses to start when a live driver serves the socket', async () => {
@@ -196,7 +196,8 @@ describe('logging', () => {
     await codeOf(
       d.clients.node.NodeStageVolume({ volume_id: 'x', secrets: { token: 'hunter2-do-not-log' } }),
     );
-    await new Promise((r) => setTimeout(r, 200));
+    await d.waitForLog((l) => l.includes('"method":"NodeStageVolume"'));
+    await d.waitForLog((l) => l.includes('"method":"CreateVolume"'));
     const lines = d.logs();
     expect(lines.join('\n')).not.toContain('hunter2-do-not-log');
     const create = lines
