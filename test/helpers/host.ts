@@ -40,25 +40,33 @@ export async function leaksUnder(root: string): Promise<Leaks> {
   return { loops, mounts };
 }
 
-/** Removes exactly what `leaksUnder(root)` finds: unmount (deepest first), then detach. */
+/**
+ * Removes exactly what `leaksUnder(root)` finds and returns what was found. Mounts go first (deepest
+ * first), then the loop devices they held, in rounds: a filesystem that holds the images of other
+ * loop devices (a scratch pool) can only be unmounted once those are detached. A lazy unmount is the
+ * last resort.
+ */
 export async function cleanupUnder(root: string): Promise<Leaks> {
   const found = await leaksUnder(root);
-  for (const mp of found.mounts) {
-    try {
-      sh('umount', [mp]);
-    } catch {
-      sh('umount', ['-l', mp]);
+  for (let round = 0; round < 4; round++) {
+    const now = await leaksUnder(root);
+    if (now.loops.length === 0 && now.mounts.length === 0) return found;
+    for (const mp of now.mounts) {
+      try {
+        sh('umount', [mp]);
+      } catch {
+        // busy: its loop devices go below, then the next round unmounts it
+      }
+    }
+    for (const line of (await leaksUnder(root)).loops) {
+      try {
+        sh('losetup', ['-d', line.split(' ')[0] ?? '']);
+      } catch {
+        // still in use: a later round
+      }
     }
   }
-  const again = await leaksUnder(root);
-  for (const line of again.loops) {
-    const dev = line.split(' ')[0] ?? '';
-    try {
-      sh('losetup', ['-d', dev]);
-    } catch {
-      // already gone
-    }
-  }
+  for (const mp of (await leaksUnder(root)).mounts) sh('umount', ['-l', mp]);
   return found;
 }
 

@@ -27,19 +27,15 @@ const scratches: ScratchFs[] = [];
 
 afterAll(async () => {
   for (const d of drivers) await d.stop('SIGKILL');
-  const leaks = [];
+  const leaks: string[] = [];
   for (const d of dirs) {
-    // Volumes of the pool first (they live inside the scratch filesystems), then the scratch filesystems.
-    const inner = (await leaksUnder(d)).mounts.filter((m) => !m.endsWith('/mnt'));
-    leaks.push(...inner);
-  }
-  for (const d of dirs) {
-    for (const s of scratches.filter((x) => x.mountPoint.startsWith(d))) {
-      await cleanupUnder(s.mountPoint);
-      await s.remove().catch(() => undefined);
-    }
-    const rest = await cleanupUnder(d);
-    leaks.push(...rest.mounts, ...rest.loops);
+    // Everything under the directory but the scratch pool filesystems themselves is a leak.
+    const scratch = scratches.filter((x) => x.mountPoint.startsWith(d));
+    const found = await cleanupUnder(d);
+    leaks.push(
+      ...found.mounts.filter((m) => !scratch.some((x) => x.mountPoint === m)),
+      ...found.loops.filter((l) => !scratch.some((x) => l.startsWith(`${x.device} `))),
+    );
     await fs.rm(d, { recursive: true, force: true });
   }
   expect(leaks).toEqual([]);
