@@ -108,6 +108,17 @@ const capOf = (kind) =>
     ? { block: {}, access_mode: { mode: 'SINGLE_NODE_WRITER' } }
     : { mount: { fs_type: kind, mount_flags: [] }, access_mode: { mode: 'SINGLE_NODE_WRITER' } };
 
+/** NodeStageVolume then NodePublishVolume, as the kubelet calls them. */
+async function stageAndPublish(d, id, cap, staging, target) {
+  await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
+  await d.c.node.NodePublishVolume({
+    volume_id: id,
+    staging_target_path: staging,
+    target_path: target,
+    volume_capability: cap,
+  });
+}
+
 async function driverCycle(d, dir, kind, size, n) {
   const cap = capOf(kind);
   const staging = path.join(dir, `st-${n}`);
@@ -126,13 +137,7 @@ async function driverCycle(d, dir, kind, size, n) {
     node_id: 'bench-node',
     volume_capability: cap,
   });
-  await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
-  await d.c.node.NodePublishVolume({
-    volume_id: id,
-    staging_target_path: staging,
-    target_path: target,
-    volume_capability: cap,
-  });
+  await stageAndPublish(d, id, cap, staging, target);
   const up = now() - t0;
   const t1 = now();
   await d.c.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
@@ -352,13 +357,7 @@ async function dataPath(dir, results) {
     const target = path.join(sub, 'pod', 'mount');
     await fs.mkdir(staging, { recursive: true });
     await fs.mkdir(path.dirname(target), { recursive: true });
-    await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
-    await d.c.node.NodePublishVolume({
-      volume_id: id,
-      staging_target_path: staging,
-      target_path: target,
-      volume_capability: cap,
-    });
+    await stageAndPublish(d, id, cap, staging, target);
     for (const [name, job] of FIO_JOBS) {
       const vol = fio(path.join(target, 'fio.dat'), job);
       const floor = fio(path.join(sub, 'floor-fio.dat'), job);

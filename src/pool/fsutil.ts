@@ -82,6 +82,29 @@ export async function readJson(file: string): Promise<unknown> {
   return JSON.parse(text) as unknown;
 }
 
+/**
+ * Reads a JSON record and checks it with `parse`. Absent: undefined. Present but unreadable or not of
+ * its shape: undefined too, with an error in the log — a damaged record never becomes a volume.
+ */
+export async function readRecord<T>(
+  file: string,
+  parse: (v: unknown) => T | undefined,
+  log: { error(obj: object, msg: string): void },
+): Promise<T | undefined> {
+  let raw: unknown;
+  try {
+    raw = await readJson(file);
+  } catch (err) {
+    log.error({ file, err }, 'a pool record is not valid JSON; treating it as absent');
+    return undefined;
+  }
+  if (raw === undefined) return undefined;
+  const value = parse(raw);
+  if (value === undefined)
+    log.error({ file }, 'a pool record does not have the expected shape; treating it as absent');
+  return value;
+}
+
 /** Lists a directory; an absent directory is empty. */
 export async function listDir(dir: string): Promise<string[]> {
   try {

@@ -8,7 +8,7 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { invalidArgument } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import { exists, fsyncDir, listDir, readJson, writeFileAtomic } from './fsutil.js';
+import { exists, fsyncDir, listDir, readRecord, writeFileAtomic } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId } from './ids.js';
 import type { Pool } from './pool.js';
 import {
@@ -35,14 +35,9 @@ export class SnapshotStore {
     return this.layout.snapshotImage(id);
   }
 
-  async read(id: string): Promise<SnapshotMeta | undefined> {
-    if (!isSnapshotId(id)) return undefined;
-    const raw = await readJson(this.layout.snapshotMeta(id));
-    if (raw === undefined) return undefined;
-    const meta = parseSnapshotMeta(raw);
-    if (!meta)
-      this.log.error({ snapshotId: id }, 'snapshot metadata is unreadable; treating the snapshot as absent');
-    return meta;
+  read(id: string): Promise<SnapshotMeta | undefined> {
+    if (!isSnapshotId(id)) return Promise.resolve(undefined);
+    return readRecord(this.layout.snapshotMeta(id), parseSnapshotMeta, this.log);
   }
 
   async get(id: string): Promise<SnapshotMeta | undefined> {
@@ -136,10 +131,9 @@ export class SnapshotStore {
     return { snapshots, next: i < ids.length && last ? last.id : undefined };
   }
 
-  async readGroup(id: string): Promise<GroupSnapshotMeta | undefined> {
-    if (!isGroupSnapshotId(id)) return undefined;
-    const raw = await readJson(this.layout.groupMeta(id));
-    return raw === undefined ? undefined : parseGroupSnapshotMeta(raw);
+  readGroup(id: string): Promise<GroupSnapshotMeta | undefined> {
+    if (!isGroupSnapshotId(id)) return Promise.resolve(undefined);
+    return readRecord(this.layout.groupMeta(id), parseGroupSnapshotMeta, this.log);
   }
 
   /** Records a group snapshot (state "creating" while its members are copied, then "ready"). */

@@ -22,6 +22,7 @@ import {
   fsyncDir,
   listDir,
   readJson,
+  readRecord,
   removeFile,
   writeFileAtomic,
 } from './fsutil.js';
@@ -65,14 +66,9 @@ export class VolumeStore {
   }
 
   /** The volume's record in whatever state it is; undefined when there is none (or the id is not ours). */
-  async read(id: string): Promise<VolumeMeta | undefined> {
-    if (!isVolumeId(id)) return undefined;
-    const raw = await readJson(this.layout.volumeMeta(id));
-    if (raw === undefined) return undefined;
-    const meta = parseVolumeMeta(raw);
-    if (!meta)
-      this.log.error({ volumeId: id }, 'volume metadata is unreadable; treating the volume as absent');
-    return meta;
+  read(id: string): Promise<VolumeMeta | undefined> {
+    if (!isVolumeId(id)) return Promise.resolve(undefined);
+    return readRecord(this.layout.volumeMeta(id), parseVolumeMeta, this.log);
   }
 
   /** A volume that exists and is complete. */

@@ -6,56 +6,18 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { CreateVolumeRequest } from '../../src/gen/csi/v1/CreateVolumeRequest.js';
-import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
-import { type DriverProcess, startDriverProcess, tempDir } from '../helpers/driver.js';
+import type { DriverArgs, DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import {
-  cleanupUnder,
-  diskUsage,
-  GiB,
-  leaksUnder,
-  MiB,
-  scratchFilesystem,
-  type ScratchFs,
-} from '../helpers/host.js';
+import { diskUsage, GiB, leaksUnder, MiB, scratchFilesystem, type ScratchFs } from '../helpers/host.js';
 
-const dirs: string[] = [];
-const drivers: DriverProcess[] = [];
-const scratches: ScratchFs[] = [];
-
+const env = new TestEnv();
 afterAll(async () => {
-  for (const d of drivers) await d.stop('SIGKILL');
-  for (const s of scratches) await s.remove().catch(() => undefined);
-  for (const d of dirs) {
-    const leaks = await cleanupUnder(d);
-    await fs.rm(d, { recursive: true, force: true });
-    expect(leaks).toEqual({ loops: [], mounts: [] });
-  }
+  expect(await env.teardown()).toEqual([]);
 });
 
-async function dir(tag: string): Promise<string> {
-  const d = await tempDir(tag);
-  dirs.push(d);
-  return d;
-}
-
-async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
-  const d = await startDriverProcess(args);
-  drivers.push(d);
-  return d;
-}
-
-const mountCap = (
-  fs_type = '',
-  mode: VolumeCapability['access_mode'] = { mode: 'SINGLE_NODE_WRITER' },
-): VolumeCapability => ({
-  mount: { fs_type, mount_flags: [] },
-  access_mode: mode,
-});
-const blockCap = (mode = 'SINGLE_NODE_WRITER' as const): VolumeCapability => ({
-  block: {},
-  access_mode: { mode },
-});
+const dir = (tag: string): Promise<string> => env.dir(tag);
+const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
 describe('CreateVolume and DeleteVolume', () => {
   let d: DriverProcess;
@@ -145,7 +107,7 @@ describe('CreateVolume and DeleteVolume', () => {
     ['no capabilities', { name: 'x' }, 'INVALID_ARGUMENT'],
     [
       'a multi-node writer',
-      { name: 'x', volume_capabilities: [mountCap('', { mode: 'MULTI_NODE_MULTI_WRITER' })] },
+      { name: 'x', volume_capabilities: [mountCap('', 'MULTI_NODE_MULTI_WRITER')] },
       'INVALID_ARGUMENT',
     ],
     ['an unknown filesystem', { name: 'x', volume_capabilities: [mountCap('ntfs')] }, 'INVALID_ARGUMENT'],
@@ -421,7 +383,7 @@ describe('capacity', () => {
   let pool: ScratchFs;
   beforeAll(async () => {
     pool = await scratchFilesystem(await dir('cap'), 'ext4', 512);
-    scratches.push(pool);
+    env.declareOwn(pool.mountPoint, pool.device);
   });
 
   async function available(d: DriverProcess): Promise<number> {
@@ -610,7 +572,7 @@ describe('ControllerPublishVolume: the attach fence', () => {
   });
 
   it('shares MULTI_NODE_READER_ONLY read-only publications', async () => {
-    const ro = mountCap('', { mode: 'MULTI_NODE_READER_ONLY' });
+    const ro = mountCap('', 'MULTI_NODE_READER_ONLY');
     await d.clients.controller.ControllerPublishVolume(pub('node-1', true, ro));
     await d.clients.controller.ControllerPublishVolume(pub('node-2', true, ro));
     expect(
@@ -682,7 +644,7 @@ describe('ValidateVolumeCapabilities, ControllerGetVolume, ControllerModifyVolum
     expect(wrongFs.message).toContain('xfs');
     const multi = await d.clients.controller.ValidateVolumeCapabilities({
       volume_id: id,
-      volume_capabilities: [mountCap('', { mode: 'MULTI_NODE_MULTI_WRITER' })],
+      volume_capabilities: [mountCap('', 'MULTI_NODE_MULTI_WRITER')],
     });
     expect(multi.confirmed).toBeNull();
     expect(

@@ -7,10 +7,10 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
-import { type DriverProcess, startDriverProcess, tempDir } from '../helpers/driver.js';
+import type { DriverArgs, DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import {
-  cleanupUnder,
   diskUsage,
   isRoot,
   leaksUnder,
@@ -21,46 +21,13 @@ import {
   writeRandom,
 } from '../helpers/host.js';
 
-const dirs: string[] = [];
-const drivers: DriverProcess[] = [];
-const scratches: ScratchFs[] = [];
-
+const env = new TestEnv();
 afterAll(async () => {
-  for (const d of drivers) await d.stop('SIGKILL');
-  const leaks: string[] = [];
-  for (const d of dirs) {
-    // Everything under the directory but the scratch pool filesystems themselves is a leak.
-    const scratch = scratches.filter((x) => x.mountPoint.startsWith(d));
-    const found = await cleanupUnder(d);
-    leaks.push(
-      ...found.mounts.filter((m) => !scratch.some((x) => x.mountPoint === m)),
-      ...found.loops.filter((l) => !scratch.some((x) => l.startsWith(`${x.device} `))),
-    );
-    await fs.rm(d, { recursive: true, force: true });
-  }
-  expect(leaks).toEqual([]);
+  expect(await env.teardown()).toEqual([]);
 });
 
-async function dir(tag: string): Promise<string> {
-  const d = await tempDir(tag);
-  dirs.push(d);
-  return d;
-}
-
-async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
-  const d = await startDriverProcess(args);
-  drivers.push(d);
-  return d;
-}
-
-const mountCap = (
-  fs_type = 'ext4',
-  mode: 'SINGLE_NODE_WRITER' | 'SINGLE_NODE_MULTI_WRITER' = 'SINGLE_NODE_WRITER',
-): VolumeCapability => ({
-  mount: { fs_type, mount_flags: [] },
-  access_mode: { mode },
-});
-const blockCap = (): VolumeCapability => ({ block: {}, access_mode: { mode: 'SINGLE_NODE_WRITER' } });
+const dir = (tag: string): Promise<string> => env.dir(tag);
+const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
 /** Stage and publish a volume like a kubelet; returns the target and a teardown. */
 async function use(d: DriverProcess, base: string, id: string, cap: VolumeCapability, tag: string) {
@@ -120,17 +87,17 @@ describe.skipIf(!isRoot()).each([
   beforeAll(async () => {
     base = await dir(`snap-${poolFs}`);
     pool = await scratchFilesystem(base, poolFs, 3072);
-    scratches.push(pool);
+    env.declareOwn(pool.mountPoint, pool.device);
     d = await driver({ dir: base, poolDir: path.join(pool.mountPoint, 'pool') });
     srcId =
       (
         await d.clients.controller.CreateVolume({
           name: 'src',
-          volume_capabilities: [mountCap()],
+          volume_capabilities: [mountCap('ext4')],
           capacity_range: { required_bytes: String(256 * MiB) },
         })
       ).volume?.volume_id ?? '';
-    srcUse = await use(d, base, srcId, mountCap(), 'src');
+    srcUse = await use(d, base, srcId, mountCap('ext4'), 'src');
     sumA = await writeRandom(path.join(srcUse.target, 'data.bin'), 64, 1);
   });
 
@@ -174,12 +141,12 @@ describe.skipIf(!isRoot()).each([
     expect(sumB).not.toBe(sumA);
     const restored = await d.clients.controller.CreateVolume({
       name: 'restored',
-      volume_capabilities: [mountCap()],
+      volume_capabilities: [mountCap('ext4')],
       capacity_range: { required_bytes: String(384 * MiB) },
       volume_content_source: { snapshot: { snapshot_id: snapId } },
     });
     expect(restored.volume?.content_source?.snapshot?.snapshot_id).toBe(snapId);
-    const r = await use(d, base, restored.volume?.volume_id ?? '', mountCap(), 'restored');
+    const r = await use(d, base, restored.volume?.volume_id ?? '', mountCap('ext4'), 'restored');
     expect(await sha256(path.join(r.target, 'data.bin'))).toBe(sumA);
     // Grown at stage to fill 384 MiB (the source's filesystem reports about 230 MiB).
     expect(await totalBytes(r.target)).toBeGreaterThan(330 * MiB);
@@ -188,7 +155,7 @@ describe.skipIf(!isRoot()).each([
       await codeOf(
         d.clients.controller.CreateVolume({
           name: 'too-small',
-          volume_capabilities: [mountCap()],
+          volume_capabilities: [mountCap('ext4')],
           capacity_range: { required_bytes: String(128 * MiB) },
           volume_content_source: { snapshot: { snapshot_id: snapId } },
         }),
@@ -212,10 +179,10 @@ describe.skipIf(!isRoot()).each([
     const current = await sha256(path.join(srcUse.target, 'data.bin'));
     const clone = await d.clients.controller.CreateVolume({
       name: 'clone',
-      volume_capabilities: [mountCap()],
+      volume_capabilities: [mountCap('ext4')],
       volume_content_source: { volume: { volume_id: srcId } },
     });
-    const c = await use(d, base, clone.volume?.volume_id ?? '', mountCap(), 'clone');
+    const c = await use(d, base, clone.volume?.volume_id ?? '', mountCap('ext4'), 'clone');
     expect(await sha256(path.join(c.target, 'data.bin'))).toBe(current);
     await c.done();
   });
@@ -304,10 +271,10 @@ describe.skipIf(!isRoot()).each([
     await d.clients.controller.DeleteVolume({ volume_id: srcId });
     const restored = await d.clients.controller.CreateVolume({
       name: 'orphan-restore',
-      volume_capabilities: [mountCap()],
+      volume_capabilities: [mountCap('ext4')],
       volume_content_source: { snapshot: { snapshot_id: snapId } },
     });
-    const r = await use(d, base, restored.volume?.volume_id ?? '', mountCap(), 'orphan');
+    const r = await use(d, base, restored.volume?.volume_id ?? '', mountCap('ext4'), 'orphan');
     expect(await sha256(path.join(r.target, 'data.bin'))).toBe(sumA);
     await r.done();
     await d.clients.controller.DeleteSnapshot({ snapshot_id: snapId });

@@ -7,48 +7,18 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
-import { type DriverProcess, startDriverProcess, tempDir } from '../helpers/driver.js';
+import type { DriverArgs, DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { cleanupUnder, isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
 
-const dirs: string[] = [];
-const drivers: DriverProcess[] = [];
-
+const env = new TestEnv();
 afterAll(async () => {
-  for (const d of drivers) await d.stop('SIGKILL');
-  const leaks = [];
-  for (const d of dirs) {
-    leaks.push(await cleanupUnder(d));
-    await fs.rm(d, { recursive: true, force: true });
-  }
-  expect(leaks.filter((l) => l.loops.length + l.mounts.length > 0)).toEqual([]);
+  expect(await env.teardown()).toEqual([]);
 });
 
-async function dir(tag: string): Promise<string> {
-  const d = await tempDir(tag);
-  dirs.push(d);
-  return d;
-}
-
-async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
-  const d = await startDriverProcess(args);
-  drivers.push(d);
-  return d;
-}
-
-type Mode = NonNullable<VolumeCapability['access_mode']>['mode'];
-const mountCap = (
-  fs_type = '',
-  mode: Mode = 'SINGLE_NODE_WRITER',
-  mount_flags: string[] = [],
-): VolumeCapability => ({
-  mount: { fs_type, mount_flags },
-  access_mode: { mode },
-});
-const blockCap = (mode: Mode = 'SINGLE_NODE_WRITER'): VolumeCapability => ({
-  block: {},
-  access_mode: { mode },
-});
+const dir = (tag: string): Promise<string> => env.dir(tag);
+const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
 /** A volume and the paths a kubelet would use for it on one node. */
 class Vol {

@@ -6,27 +6,17 @@ import fs from 'node:fs/promises';
 import net from 'node:net';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { type DriverProcess, runMain, startDriverProcess, tempDir } from '../helpers/driver.js';
+import { type DriverArgs, type DriverProcess, runMain } from '../helpers/driver.js';
+import { TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 
-const dirs: string[] = [];
-const drivers: DriverProcess[] = [];
+const env = new TestEnv();
 afterAll(async () => {
-  for (const d of drivers) await d.stop('SIGKILL');
-  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
+  expect(await env.teardown()).toEqual([]);
 });
 
-async function dir(tag: string): Promise<string> {
-  const d = await tempDir(tag);
-  dirs.push(d);
-  return d;
-}
-
-async function driver(args: Parameters<typeof startDriverProcess>[0]): Promise<DriverProcess> {
-  const d = await startDriverProcess(args);
-  drivers.push(d);
-  return d;
-}
+const dir = (tag: string): Promise<string> => env.dir(tag);
+const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
 describe('flags', () => {
   it('prints --help with every flag and exits 0', async () => {
