@@ -31,6 +31,9 @@ export function requirePath(value: string, field: string): string {
   if (!path.isAbsolute(value))
     throw invalidArgument(`${field} must be an absolute path, not ${JSON.stringify(value)}.`);
   if (value.includes('\0')) throw invalidArgument(`${field} contains a NUL byte.`);
+  if (value.length > 4095 || value.split('/').some((part) => Buffer.byteLength(part) > 255)) {
+    throw invalidArgument(`${field} is longer than a Linux path may be.`);
+  }
   return path.normalize(value);
 }
 

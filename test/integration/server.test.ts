@@ -18,6 +18,17 @@ afterAll(async () => {
 const dir = (tag: string): Promise<string> => env.dir(tag);
 const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
+function freePort(): Promise<number> {
+  return new Promise((resolve) => {
+    const srv = net.createServer().listen(0, '127.0.0.1', () => {
+      const p = (srv.address() as net.AddressInfo).port;
+      srv.close(() => {
+        resolve(p);
+      });
+    });
+  });
+}
+
 describe('flags', () => {
   it('prints --help with every flag and exits 0', async () => {
     const r = await runMain(['--help']);
@@ -139,14 +150,7 @@ describe('the socket', () => {
 
   it('serves tcp:// for debugging', async () => {
     const base = await dir('tcp');
-    const port = await new Promise<number>((resolve) => {
-      const srv = net.createServer().listen(0, '127.0.0.1', () => {
-        const p = (srv.address() as net.AddressInfo).port;
-        srv.close(() => {
-          resolve(p);
-        });
-      });
-    });
+    const port = await freePort();
     const { spawn } = await import('node:child_process');
     const { MAIN } = await import('../helpers/driver.js');
     const proc = spawn(
@@ -170,6 +174,28 @@ describe('the socket', () => {
     } finally {
       proc.kill('SIGTERM');
     }
+  });
+});
+
+describe('metrics', () => {
+  it('serves /metrics with per-call histograms and /healthz that follows Probe', async () => {
+    const base = await dir('metrics');
+    const port = await freePort();
+    const d = await driver({ dir: base, extra: [`--metrics-address=127.0.0.1:${port}`] });
+    await d.clients.identity.Probe({});
+    await codeOf(d.clients.controller.DeleteVolume({ volume_id: '' }));
+    const metrics = await (await fetch(`http://127.0.0.1:${port}/metrics`)).text();
+    expect(metrics).toMatch(
+      /loopvol_rpc_duration_seconds_count\{service="Controller",method="DeleteVolume",code="INVALID_ARGUMENT"\} 1/,
+    );
+    expect(metrics).toMatch(/loopvol_pool_bytes\{kind="available"\} \d+/);
+    expect(metrics).toContain('loopvol_process_resident_memory_bytes');
+    const ok = await fetch(`http://127.0.0.1:${port}/healthz`);
+    expect(ok.status).toBe(200);
+    await fs.rm(d.poolDir, { recursive: true, force: true });
+    const sick = await fetch(`http://127.0.0.1:${port}/healthz`);
+    expect(sick.status).toBe(503);
+    expect(await sick.text()).toContain('pool');
   });
 });
 

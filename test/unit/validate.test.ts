@@ -186,6 +186,9 @@ describe('paths and topology', () => {
     expect(kindOf(() => requirePath('relative/x', 'p'))).toBe('invalid_argument');
     expect(kindOf(() => requirePath('', 'p'))).toBe('invalid_argument');
     expect(kindOf(() => requirePath('/a\0b', 'p'))).toBe('invalid_argument');
+    expect(kindOf(() => requirePath(`/${'x'.repeat(256)}`, 'p'))).toBe('invalid_argument');
+    expect(kindOf(() => requirePath(`/a${'/b'.repeat(2100)}`, 'p'))).toBe('invalid_argument');
+    expect(requirePath(`/${'x'.repeat(255)}`, 'p')).toHaveLength(256);
   });
   it('admits this pool by requisite, else preferred', () => {
     const seg = (pool: string) => ({ segments: { 'loopvol.csi.io/pool': pool } });
