@@ -193,7 +193,28 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
       const top = mountsAt(mounts, lease.stagingPath).at(-1);
       return top ? loops.find((l) => l.path === top.source) : undefined;
     }
-    return loops.find((l) => l.readOnly === isReaderOnly(lease.mode)) ?? loops[0];
+    if (lease.device !== undefined) return loops.find((l) => l.name === lease.device);
+    return loops.find((l) => l.readOnly === isReaderOnly(lease.mode));
+  }
+
+  /**
+   * Loop devices of `image` that belong to other nodes' stagings. Only several node plugins sharing one
+   * host (a test rig, or a pool tried out on one machine) ever see them; they are never reused, and
+   * never detached, by this node.
+   */
+  async function othersLoops(
+    id: string,
+    loops: readonly LoopDevice[],
+    mounts: readonly MountEntry[],
+  ): Promise<Set<string>> {
+    const others = new Set<string>();
+    if (loops.length === 0) return others;
+    for (const l of await volumes.leases(id)) {
+      if (l.node === nodeId) continue;
+      const theirs = stagingLoop(loops, l, mounts);
+      if (theirs) others.add(theirs.name);
+    }
+    return others;
   }
 
   async function attach(ctx: CallContext, image: string, readOnly: boolean): Promise<LoopDevice> {
@@ -415,11 +436,14 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
           }
         }
 
-        // Loop devices of this image attached the other way round are leftovers of an interrupted
-        // call; they may go unless something still uses them.
-        const usable = loops.filter((l) => l.readOnly === readOnly);
-        const stale = loops.filter((l) => l.readOnly !== readOnly);
-        const busy = stale.find((l) => mounts.some((m) => loopOfMount(m, [l])));
+        // A loop device of this image that nothing uses is a leftover of an interrupted call: reused
+        // when it is attached the right way round, detached otherwise. One in use is another staging's.
+        const others = await othersLoops(v.id, loops, mounts);
+        const mine = loops.filter((l) => !others.has(l.name));
+        const inUse = (l: LoopDevice): boolean => mounts.some((m) => loopOfMount(m, [l]));
+        const usable = mine.filter((l) => l.readOnly === readOnly && !inUse(l));
+        const stale = mine.filter((l) => l.readOnly !== readOnly);
+        const busy = stale.find(inUse);
         if (busy) {
           throw failedPrecondition(
             `Volume ${v.id} is in use on this node ${busy.readOnly ? 'read-only' : 'read-write'} (${busy.path}); it cannot also be staged ${readOnly ? 'read-only' : 'read-write'}.`,
@@ -457,6 +481,8 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
             await flushDeviceBuffers(ctx, loop.path);
           }
           if (cap.accessType === 'block') {
+            // Nothing is mounted for a staged block volume: the lease says which device is this node's.
+            await volumes.takeLease(v.id, { ...lease, device: loop.name });
             if (!(await volumes.isInitialized(v.id)))
               await volumes.markInitialized(v.id, `node ${nodeId} (raw block)`);
             return {};
@@ -553,16 +579,20 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
         if (!known && atStaging.length === 0 && loops.length === 0 && !lease)
           throw notFound(`Volume ${v.id} does not exist.`);
 
+        // Loop devices of other nodes' stagings (several node plugins on one host) are not ours to
+        // judge or detach.
+        const others = await othersLoops(v.id, loops, mounts);
+        const ours = loops.filter((l) => !others.has(l.name));
         // Still published somewhere on this node? The CO must unpublish first.
-        const published = mounts.filter((m) => m.mountPoint !== staging && loopOfMount(m, loops));
+        const published = mounts.filter((m) => m.mountPoint !== staging && loopOfMount(m, ours));
         if (published.length > 0) {
           throw failedPrecondition(
             `Volume ${v.id} is still published at ${published.map((m) => m.mountPoint).join(', ')}; unpublish it first.`,
           );
         }
-        const { outcome, table } = await unmountOurs(ctx, staging, mounts, loops);
+        const { outcome, table } = await unmountOurs(ctx, staging, mounts, ours);
         if (outcome === 'ours') ctx.log.info({ staging }, 'unmounted staging path');
-        await detachUnused(ctx, loops, table);
+        await detachUnused(ctx, ours, table);
         if (lease) await volumes.dropLease(v.id, nodeId);
         return {};
       },
@@ -720,7 +750,14 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
         if (unmounted.some(isDeviceBind)) {
           // A read-only loop device attached only for this block publish goes with it.
           const staged = stagingLoop(loops, await volumes.lease(v.id, nodeId), table);
-          if (staged) await detachUnused(ctx, loops, table, staged);
+          const others = await othersLoops(v.id, loops, table);
+          if (staged)
+            await detachUnused(
+              ctx,
+              loops.filter((l) => !others.has(l.name)),
+              table,
+              staged,
+            );
         }
         if (outcome === 'ours') ctx.log.info({ target }, 'unpublished volume');
         return {};

@@ -79,6 +79,8 @@ export interface Lease {
   mode: AccessMode;
   readonly: boolean;
   since: string;
+  /** The loop device (e.g. "loop3") the node staged it on: a hint, always checked against /sys/block. */
+  device?: string;
 }
 
 export interface SnapshotMeta {
@@ -187,10 +189,19 @@ export function parseAttachment(v: unknown): Attachment | undefined {
 
 export function parseLease(v: unknown): Lease | undefined {
   if (!isRecord(v)) return undefined;
-  const { node, stagingPath, accessType, mode, readonly, since } = v;
+  const { node, stagingPath, accessType, mode, readonly, since, device } = v;
   if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
   if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
-  return { node, stagingPath, accessType, mode, readonly, since };
+  if (device !== undefined && !(str(device) && /^loop\d+$/.test(device))) return undefined;
+  return {
+    node,
+    stagingPath,
+    accessType,
+    mode,
+    readonly,
+    since,
+    ...(device === undefined ? {} : { device }),
+  };
 }
 
 export function parseSnapshotMeta(v: unknown): SnapshotMeta | undefined {

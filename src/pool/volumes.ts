@@ -316,12 +316,13 @@ export class VolumeStore {
         !mine ||
         mine.accessType !== lease.accessType ||
         mine.mode !== lease.mode ||
-        mine.readonly !== lease.readonly
+        mine.readonly !== lease.readonly ||
+        (lease.device !== undefined && mine.device !== lease.device)
       ) {
         await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
         await writeFileAtomic(
           this.layout.lease(id, lease.node),
-          json({ ...lease, since: mine?.since ?? lease.since }),
+          json({ ...lease, device: lease.device ?? mine?.device, since: mine?.since ?? lease.since }),
         );
       }
       return mine;

@@ -413,6 +413,78 @@ describe.skipIf(!isRoot())('restarts and crashes', () => {
 });
 
 describe.skipIf(!isRoot())('the node-side fence', () => {
+  it('lets several nodes read a MULTI_NODE_READER_ONLY volume, read-only, and keeps writers out', async () => {
+    const base = await dir('readers');
+    const n1 = await driver({ dir: base });
+    const n2 = await driver({
+      dir: base,
+      socket: path.join(base, 'n2.sock'),
+      nodeId: 'node-2',
+      mode: 'node',
+    });
+    const writer = await makeVolume(n1, base, 'pvc-shared-ro', mountCap('ext4'), 64 * MiB);
+    await writer.stage();
+    await writer.publish();
+    const sum = await writeRandom(path.join(writer.target(), 'shared.bin'), 2, 21);
+    await writer.unpublish();
+    await writer.unstage();
+    await n1.clients.controller.ControllerUnpublishVolume({ volume_id: writer.id, node_id: 'node-1' });
+
+    const ro = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
+    const readers = [
+      new Vol(n1, writer.id, ro, path.join(base, 'r1')),
+      new Vol(n2, writer.id, ro, path.join(base, 'r2')),
+    ];
+    for (const [i, node] of ['node-1', 'node-2'].entries()) {
+      await n1.clients.controller.ControllerPublishVolume({
+        volume_id: writer.id,
+        node_id: node,
+        volume_capability: ro,
+        readonly: true,
+      });
+      const r = readers[i];
+      if (!r) throw new Error('no reader');
+      await r.stage();
+      await r.publish(1, true);
+      expect(await sha256(path.join(r.target(), 'shared.bin'))).toBe(sum);
+      await expect(fs.writeFile(path.join(r.target(), 'x'), 'x')).rejects.toThrow(/EROFS/);
+    }
+    // Both "nodes" share this host; each stages on a read-only loop device of its own.
+    const loops = await readers[0]?.loops();
+    expect(loops).toHaveLength(2);
+    for (const l of loops ?? []) {
+      const dev = l.split(' ')[0]?.replace('/dev/', '') ?? '';
+      expect((await fs.readFile(`/sys/block/${dev}/ro`, 'utf8')).trim()).toBe('1');
+    }
+    const rwOnNode2 = new Vol(n2, writer.id, mountCap('ext4'), path.join(base, 'w2'));
+    expect(await codeOf(rwOnNode2.stage())).toBe('FAILED_PRECONDITION');
+    for (const r of readers) {
+      await r.unpublish();
+      await r.unstage();
+    }
+    expect(await readers[0]?.loops()).toEqual([]);
+  });
+
+  it('formats a blank volume first staged read-only, then mounts it read-only', async () => {
+    const base = await dir('blank-ro');
+    const n1 = await driver({ dir: base });
+    const v = await makeVolume(
+      n1,
+      base,
+      'pvc-blank-ro',
+      mountCap('xfs', 'SINGLE_NODE_READER_ONLY'),
+      320 * MiB,
+    );
+    await v.stage();
+    await v.publish();
+    await expect(fs.writeFile(path.join(v.target(), 'x'), 'x')).rejects.toThrow(/EROFS/);
+    const st = await n1.clients.node.NodeGetVolumeStats({ volume_id: v.id, volume_path: v.target() });
+    expect(st.volume_condition?.abnormal).toBe(false);
+    await v.unpublish();
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+  });
+
   it('keeps a second node off a staged volume until the first releases it', async () => {
     const base = await dir('fence');
     const n1 = await driver({ dir: base });
