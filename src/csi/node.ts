@@ -476,9 +476,11 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
             loop = await attach(ctx, image, readOnly);
             attachedNow = loop;
             failpoint('stage:attached');
-          } else if (cap.accessType === 'mount') {
-            // A reused attachment (a restarted plugin): drop cached blocks so we read what is on disk.
-            await flushDeviceBuffers(ctx, loop.path);
+          } else {
+            // A reused attachment (left by an interrupted call): make it see the image's current size
+            // (it may have grown since), and drop cached blocks so we read what is on disk.
+            if ((await fs.stat(image)).size !== loop.sizeBytes) loop = await refreshLoopSize(ctx, loop);
+            if (cap.accessType === 'mount') await flushDeviceBuffers(ctx, loop.path);
           }
           if (cap.accessType === 'block') {
             // Nothing is mounted for a staged block volume: the lease says which device is this node's.
