@@ -36,6 +36,21 @@ export class Pool {
 
   /** Opens the pool at `dir`, creating it (and its format file) when it is new. */
   static async open(dir: string, name: string, log: Logger): Promise<Pool> {
+    try {
+      return await Pool.openOrCreate(dir, name, log);
+    } catch (err) {
+      if (err instanceof PoolError) throw err;
+      const code = errnoCode(err);
+      throw new PoolError(
+        `cannot use ${dir} as the pool (${code ?? (err instanceof Error ? err.message : String(err))})`,
+        {
+          cause: err,
+        },
+      );
+    }
+  }
+
+  private static async openOrCreate(dir: string, name: string, log: Logger): Promise<Pool> {
     await fs.mkdir(dir, { recursive: true, mode: 0o750 });
     const root = await fs.realpath(dir);
     const pool = new Pool(root, name, log);

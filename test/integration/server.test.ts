@@ -134,6 +134,20 @@ describe('the socket', () => {
     expect((await first.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
   });
 
+  it('exits with a one-line reason when the pool directory cannot be used', async () => {
+    const base = await dir('badpool');
+    const file = path.join(base, 'not-a-dir');
+    await fs.writeFile(file, 'x');
+    const r = await runMain([
+      `--endpoint=unix://${path.join(base, 'csi.sock')}`,
+      '--nodeid=n1',
+      `--pool-dir=${file}/pool`,
+    ]);
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain('cannot use');
+    expect(r.stderr.trim().split('\n')).toHaveLength(1);
+  });
+
   it('refuses to replace a file that is not a socket', async () => {
     const base = await dir('notsock');
     const file = path.join(base, 'csi.sock');
