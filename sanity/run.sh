@@ -15,10 +15,9 @@ modes=("$@")
 sanity=${CSI_SANITY:-$(command -v csi-sanity || true)}
 if [ -z "$sanity" ] || [ ! -x "$sanity" ]; then
   cat >&2 <<'MSG'
-csi-sanity was not found (set $CSI_SANITY or put it on PATH).
-It is built from kubernetes-csi/csi-test, outside this repository:
-  git clone --branch v5.3.1 https://github.com/kubernetes-csi/csi-test
-  cd csi-test/cmd/csi-sanity && go build -o /usr/local/bin/csi-sanity .
+csi-sanity was not found: set $CSI_SANITY to its path or put it on PATH.
+It is the Go program cmd/csi-sanity of github.com/kubernetes-csi/csi-test (this runner is checked
+against release v5.3.1), built outside this repository; see sanity/README.md.
 MSG
   exit 3
 fi
