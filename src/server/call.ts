@@ -147,9 +147,9 @@ export function unaryHandler<Req, Res>(
       const seconds = (performance.now() - started) / 1000;
       const ms = Math.round(seconds * 1000);
       if (err === undefined) {
-        const line = { ms, code: 'OK', request: redact(call.request) };
-        if (impl?.quiet) log.debug(line, 'call');
-        else log.info(line, 'call');
+        // Polling calls log at debug: skip copying and redacting their request when that is off.
+        const level = impl?.quiet ? 'debug' : 'info';
+        if (log.isLevelEnabled(level)) log[level]({ ms, code: 'OK', request: redact(call.request) }, 'call');
         deps.observer?.observe(service, name, 'OK', seconds);
         callback(null, response);
       } else {
