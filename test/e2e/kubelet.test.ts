@@ -634,34 +634,20 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
       node_id: 'node-1',
       volume_capability: GOOD_CAP,
     });
-    expect(
-      await codeOf(
-        ctl.clients.controller.ControllerPublishVolume({
-          volume_id: existing,
-          node_id: 'node-2',
-          volume_capability: GOOD_CAP,
-        }),
-      ),
-    ).toBe('FAILED_PRECONDITION');
-    expect(
-      await codeOf(
-        ctl.clients.controller.ControllerPublishVolume({
-          volume_id: existing,
-          node_id: 'node-1',
-          volume_capability: GOOD_CAP,
-          readonly: true,
-        }),
-      ),
-    ).toBe('ALREADY_EXISTS');
-    expect(
-      await codeOf(
-        ctl.clients.controller.ControllerPublishVolume({
-          volume_id: existing,
-          node_id: 'no-such-node',
-          volume_capability: GOOD_CAP,
-        }),
-      ),
-    ).toBe('NOT_FOUND');
+    const refusals: [string, boolean, string][] = [
+      ['node-2', false, 'FAILED_PRECONDITION'], // a single-node volume published elsewhere
+      ['node-1', true, 'ALREADY_EXISTS'], // the same node with other arguments
+      ['no-such-node', false, 'NOT_FOUND'],
+    ];
+    for (const [nodeId, readonly, code] of refusals) {
+      const call = ctl.clients.controller.ControllerPublishVolume({
+        volume_id: existing,
+        node_id: nodeId,
+        volume_capability: GOOD_CAP,
+        readonly,
+      });
+      expect(await codeOf(call), `${nodeId} readonly=${String(readonly)}`).toBe(code);
+    }
     await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: existing, node_id: 'node-1' });
   });
 

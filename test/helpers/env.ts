@@ -4,6 +4,7 @@
  * leaks (except those the file declares its own, such as a scratch pool filesystem).
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
 import { type DriverArgs, type DriverProcess, startDriverProcess, tempDir } from './driver.js';
 import { cleanupUnder } from './host.js';
@@ -24,6 +25,11 @@ export class TestEnv {
     const d = await startDriverProcess(args);
     this.drivers.push(d);
     return d;
+  }
+
+  /** Another node plugin (--mode=node, its own socket) on the pool of the driver started in `dir`. */
+  async nodePlugin(dir: string, nodeId: string): Promise<DriverProcess> {
+    return this.driver({ dir, socket: path.join(dir, `${nodeId}.sock`), nodeId, mode: 'node' });
   }
 
   /** Declares a mount point or loop device (`/dev/loopN`) the file set up itself. */

@@ -498,7 +498,7 @@ describe('ControllerPublishVolume: the attach fence', () => {
     const base = await dir('fence');
     d = await driver({ dir: base, extra: ['--max-volumes-per-node=3'] });
     // A second node plugin on the same pool registers node-2.
-    await driver({ dir: base, socket: path.join(base, 'n2.sock'), nodeId: 'node-2', mode: 'node' });
+    await env.nodePlugin(base, 'node-2');
     id =
       (await d.clients.controller.CreateVolume({ name: 'pvc-fence', volume_capabilities: [mountCap()] }))
         .volume?.volume_id ?? '';

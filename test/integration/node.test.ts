@@ -416,12 +416,7 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
   it('lets several nodes read a MULTI_NODE_READER_ONLY volume, read-only, and keeps writers out', async () => {
     const base = await dir('readers');
     const n1 = await driver({ dir: base });
-    const n2 = await driver({
-      dir: base,
-      socket: path.join(base, 'n2.sock'),
-      nodeId: 'node-2',
-      mode: 'node',
-    });
+    const n2 = await env.nodePlugin(base, 'node-2');
     const writer = await makeVolume(n1, base, 'pvc-shared-ro', mountCap('ext4'), 64 * MiB);
     await writer.stage();
     await writer.publish();
@@ -488,12 +483,7 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
   it('keeps a second node off a staged volume until the first releases it', async () => {
     const base = await dir('fence');
     const n1 = await driver({ dir: base });
-    const n2 = await driver({
-      dir: base,
-      socket: path.join(base, 'n2.sock'),
-      nodeId: 'node-2',
-      mode: 'node',
-    });
+    const n2 = await env.nodePlugin(base, 'node-2');
     const v = await makeVolume(n1, base, 'pvc-fenced', mountCap('ext4'), 64 * MiB);
     await v.stage();
     const other = new Vol(n2, v.id, v.cap, path.join(base, 'n2'));
@@ -514,14 +504,9 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
 
   it("releases a dead node's hold when the CO unpublishes the volume from it", async () => {
     const base = await dir('deadnode');
-    const n1 = await driver({ dir: base, socket: path.join(base, 'n1.sock'), mode: 'node' });
+    const n1 = await env.nodePlugin(base, 'node-1');
     const ctl = await driver({ dir: base, mode: 'controller' });
-    const n2 = await driver({
-      dir: base,
-      socket: path.join(base, 'n2.sock'),
-      nodeId: 'node-2',
-      mode: 'node',
-    });
+    const n2 = await env.nodePlugin(base, 'node-2');
     const cap = mountCap('ext4');
     const id =
       (
