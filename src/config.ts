@@ -24,6 +24,7 @@ export interface Config {
   defaultVolumeSize: number;
   loopDirectIo: boolean;
   shutdownTimeoutMs: number;
+  freezeBudgetMs: number;
 }
 
 export const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
@@ -98,6 +99,12 @@ export const FLAGS: readonly FlagSpec[] = [
     value: 'on|off',
     default: 'on',
     help: 'attach loop devices with direct I/O, so pages are not cached twice',
+  },
+  {
+    name: 'freeze-budget',
+    value: 'SECONDS',
+    default: '5',
+    help: 'longest a volume in use may stay frozen for a snapshot or clone on a pool that cannot reflink (longer copies are refused)',
   },
   {
     name: 'shutdown-timeout',
@@ -271,6 +278,12 @@ export function parseConfig(argv: readonly string[]): ParseResult {
     throw new ConfigError(`--shutdown-timeout ${shutdownText}: must be whole seconds from 0 to 3600`);
   }
 
+  const budgetText = get('freeze-budget');
+  const budgetSeconds = /^\d+(\.\d+)?$/.test(budgetText) ? Number(budgetText) : NaN;
+  if (!(budgetSeconds >= 0) || budgetSeconds > 3600) {
+    throw new ConfigError(`--freeze-budget ${budgetText}: must be seconds from 0 to 3600`);
+  }
+
   return {
     kind: 'run',
     config: {
@@ -287,6 +300,7 @@ export function parseConfig(argv: readonly string[]): ParseResult {
       defaultVolumeSize,
       loopDirectIo: dio === 'on',
       shutdownTimeoutMs: shutdownSeconds * 1000,
+      freezeBudgetMs: Math.round(budgetSeconds * 1000),
     },
   };
 }

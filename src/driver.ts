@@ -3,6 +3,7 @@
  * and the optional metrics server; and takes them down again.
  */
 import type http from 'node:http';
+import os from 'node:os';
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { type Config, servesController, servesNode } from './config.js';
@@ -10,37 +11,35 @@ import { controllerService } from './csi/controller.js';
 import { groupService } from './csi/group.js';
 import { identityService } from './csi/identity.js';
 import { nodeService } from './csi/node.js';
-import { csiProto } from './csi/proto.js';
-import { ExecRunner, type Runner } from './exec/runner.js';
+import { csiProto } from './server/proto.js';
+import { bindExec, type Exec, ExecRunner, type Runner } from './exec/runner.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
 import type { GroupControllerHandlers } from './gen/csi/v1/GroupController.js';
 import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
 import { readinessProblem } from './health.js';
 import { Metrics, serveMetrics } from './metrics.js';
-import { HostFreezer, thawPoolFilesystems } from './host/freeze.js';
+import { kernelHost, loopsBackedBy } from './host/host.js';
+import type { NodeDeps } from './node/on-host.js';
+import { QuiesceAgent, thawLeftovers } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool } from './pool/pool.js';
 import { SnapshotStore } from './pool/snapshots.js';
+import { QuiesceBoard } from './pool/quiesce.js';
 import { VolumeStore } from './pool/volumes.js';
-import { buildService, type CallContext, type CallDeps } from './server/call.js';
+import { buildService, type CallDeps } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { listen, stop } from './server/server.js';
 import { driverVersion } from './version.js';
 
-/** A context for work the driver does on its own behalf (startup), outside any RPC. */
-export function startupContext(log: Logger, runner: Runner): CallContext {
-  const ctx: CallContext = {
-    reqId: 'startup',
-    method: 'startup',
-    log,
-    signal: new AbortController().signal,
-    deadline: Number.POSITIVE_INFINITY,
-    run: (command, args, options) => runner.run(ctx, command, args, options),
-  };
-  return ctx;
+/** A scope for work the driver does on its own behalf (startup), outside any RPC. */
+export function startupContext(log: Logger, runner: Runner): Exec {
+  return bindExec(runner, { log, deadline: Number.POSITIVE_INFINITY });
 }
+
+/** How long a controller waits for a node to answer a request to freeze a volume. */
+const FREEZE_WAIT_MS = 10_000;
 
 export interface DriverOptions {
   runner?: Runner;
@@ -57,8 +56,11 @@ export async function startDriver(
   log: Logger,
   options: DriverOptions = {},
 ): Promise<RunningDriver> {
-  const pool = await Pool.open(config.poolDir, config.poolName, log);
+  // A node plugin's successor on the same host (a new container) takes over its locks at once.
+  const role = servesNode(config) && config.nodeId !== undefined ? `node:${config.nodeId}` : undefined;
+  const pool = await Pool.open(config.poolDir, config.poolName, log, role ? { role } : {});
   const runner = options.runner ?? new ExecRunner();
+  const inflight = new InFlight();
   const capacityProbe = servesController(config)
     ? () => new Capacity(pool.layout, config.overcommitRatio).report()
     : undefined;
@@ -67,7 +69,7 @@ export async function startDriver(
   const deps: CallDeps = {
     log,
     runner,
-    inflight: new InFlight(),
+    inflight,
     observer: metrics,
     tracker: {
       begin: () => {
@@ -94,10 +96,24 @@ export async function startDriver(
   const nodes = new NodeRegistry(pool.layout);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
   const snapshots = new SnapshotStore(pool, log);
-  const freezer = new HostFreezer();
+  const board = new QuiesceBoard(pool);
+  const startup = startupContext(log, runner);
+  let agent: QuiesceAgent | undefined;
   if (servesController(config)) {
-    const controller = controllerService({ config, pool, volumes, snapshots, nodes, capacity, freezer });
-    const group = groupService({ pool, volumes, snapshots, freezer });
+    const copy = {
+      pool,
+      volumes,
+      board,
+      freezeBudgetMs: config.freezeBudgetMs,
+      freezeWaitMs: FREEZE_WAIT_MS,
+      requester: `controller on ${os.hostname()}`,
+    };
+    const inUseHere = async (image: string): Promise<string | undefined> => {
+      const loops = await loopsBackedBy(kernelHost, startup, image);
+      return loops.length > 0 ? `attached as ${loops.map((l) => l.path).join(', ')}` : undefined;
+    };
+    const controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
+    const group = groupService({ ...copy, snapshots });
     server.addService(
       proto.Controller.service,
       buildService<ControllerHandlers>('Controller', proto.Controller.service, controller, deps),
@@ -111,8 +127,20 @@ export async function startDriver(
     const nodeId = config.nodeId;
     if (nodeId === undefined) throw new Error('the node service needs --nodeid');
     await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
-    await thawPoolFilesystems(startupContext(log, runner), pool.root);
-    const node = nodeService({ config: { ...config, nodeId }, volumes, nodes, poolRoot: pool.root });
+    const nodeDeps: NodeDeps = {
+      nodeId,
+      poolName: config.poolName,
+      maxVolumesPerNode: config.maxVolumesPerNode,
+      loopDirectIo: config.loopDirectIo,
+      volumes,
+      nodes,
+      host: kernelHost,
+      poolRoot: pool.root,
+    };
+    await thawLeftovers(nodeDeps, startup);
+    agent = new QuiesceAgent(nodeDeps, board, inflight, runner, log);
+    await agent.start();
+    const node = nodeService(nodeDeps);
     server.addService(proto.Node.service, buildService<NodeHandlers>('Node', proto.Node.service, node, deps));
   }
 
@@ -144,6 +172,7 @@ export async function startDriver(
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
+      await agent?.stop();
     },
   };
 }

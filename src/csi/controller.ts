@@ -18,11 +18,11 @@ import type { ControllerHandlers } from '../gen/csi/v1/Controller.js';
 import type { ControllerServiceCapability } from '../gen/csi/v1/ControllerServiceCapability.js';
 import type { VolumeCondition } from '../gen/csi/v1/VolumeCondition.js';
 import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSource.js';
-import type { Freezer } from '../host/freeze.js';
 import type { Capacity } from '../pool/capacity.js';
 import { formatBytes } from '../pool/capacity.js';
 import { isNodeId, isSnapshotId, isVolumeId, snapshotIdForName, volumeIdForName } from '../pool/ids.js';
 import { copyImage, createSparseImage, growImage, preallocate } from '../pool/images.js';
+import { mapLimit } from '../limit.js';
 import type { NodeRegistry } from '../pool/nodes.js';
 import type { Pool } from '../pool/pool.js';
 import type { SnapshotStore } from '../pool/snapshots.js';
@@ -30,7 +30,7 @@ import type { Capability, ContentSource, FsType, SnapshotMeta, VolumeMeta } from
 import type { FillResult, VolumeStore } from '../pool/volumes.js';
 import type { CallContext } from '../server/call.js';
 import { method, type Methods } from '../server/call.js';
-import { withVolumesQuiesced } from './consistency.js';
+import { type CopyDeps, withConsistentSources } from './consistency.js';
 import { snapshotMessage, volumeMessage } from './messages.js';
 import { K8S_PREFIX, parseMutableParameters, parseVolumeParameters } from './parameters.js';
 import {
@@ -46,14 +46,15 @@ import {
   TOPOLOGY_KEY,
 } from './validate.js';
 
-export interface ControllerDeps {
+export interface ControllerDeps extends CopyDeps {
   config: Pick<Config, 'poolName' | 'defaultVolumeSize'>;
   pool: Pool;
   volumes: VolumeStore;
   snapshots: SnapshotStore;
   nodes: NodeRegistry;
   capacity: Capacity;
-  freezer: Freezer;
+  /** Why an image is in use on this host (attached as a loop device), if it is: DeleteVolume's last guard. */
+  inUseHere?: (image: string) => Promise<string | undefined>;
 }
 
 /**
@@ -76,6 +77,9 @@ export const CONTROLLER_CAPABILITIES = [
   'SINGLE_NODE_MULTI_WRITER',
   'MODIFY_VOLUME',
 ] as const;
+
+/** How many volumes a listing looks at in parallel. */
+const LIST_CONCURRENCY = 16;
 
 /** The filesystem the capabilities ask for, if they ask; conflicting asks are INVALID_ARGUMENT. */
 function requestedFsType(caps: readonly Capability[], param: FsType | undefined): FsType | undefined {
@@ -185,10 +189,9 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
 
   /** Copies a volume's image at one instant (see consistency.ts). */
   async function copyVolumeImage(ctx: CallContext, sourceId: string, dst: string): Promise<Date> {
-    return withVolumesQuiesced(ctx, d, [sourceId], async (takenAt) => {
-      const how = await copyImage(ctx, volumes.imagePath(sourceId), dst);
-      ctx.log.info({ source: sourceId, how }, 'copied volume image');
-      return takenAt;
+    return withConsistentSources(ctx, d, [sourceId], async (plan) => {
+      await plan.copy(sourceId, dst);
+      return plan.takenAt;
     });
   }
 
@@ -310,8 +313,14 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         const preallocated = v.allocation === 'preallocate';
         const fill = async (image: string): Promise<FillResult> => {
           if (v.source?.kind === 'snapshot' && sourceSnapshot) {
-            const how = await copyImage(ctx, snapshots.imagePath(sourceSnapshot.id), image);
-            ctx.log.info({ snapshot: sourceSnapshot.id, how }, 'restored snapshot image');
+            // Held while it is read: a DeleteSnapshot meanwhile waits (or is ABORTED), never tears the copy.
+            await snapshots.holding(sourceSnapshot.id, 'restore', async (_snap, lock) => {
+              const res = await copyImage(ctx, snapshots.imagePath(v.source?.id ?? ''), image, {
+                allowCopy: true,
+                signal: lock.signal,
+              });
+              ctx.log.info({ snapshot: v.source?.id, how: res.method }, 'restored snapshot image');
+            });
           } else if (v.source?.kind === 'volume') {
             await copyVolumeImage(ctx, v.source.id, image);
           } else {
@@ -340,7 +349,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       validate: (req) => ({ id: requireField(req.volume_id, 'volume_id') }),
       locks: (v) => [v.id],
       run: async (v) => {
-        await volumes.delete(v.id);
+        await volumes.delete(v.id, d.inUseHere);
         return {};
       },
     }),
@@ -448,15 +457,13 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       quiet: true,
       run: async ({ max, token }) => {
         const { volumes: page, next } = await volumes.list(token, max);
-        const entries = await Promise.all(
-          page.map(async (meta) => ({
-            volume: volumeMessage(meta, poolName),
-            status: {
-              published_node_ids: await publishedNodes(meta.id),
-              volume_condition: await condition(meta),
-            },
-          })),
-        );
+        const entries = await mapLimit(page, LIST_CONCURRENCY, async (meta) => ({
+          volume: volumeMessage(meta, poolName),
+          status: {
+            published_node_ids: await publishedNodes(meta.id),
+            volume_condition: await condition(meta),
+          },
+        }));
         return { entries, next_token: next ?? '' };
       },
     }),

@@ -6,12 +6,11 @@
 import { alreadyExists, invalidArgument, notFound } from '../errors.js';
 import type { GroupControllerHandlers } from '../gen/csi/v1/GroupController.js';
 import type { VolumeGroupSnapshot } from '../gen/csi/v1/VolumeGroupSnapshot.js';
-import { copyImage } from '../pool/images.js';
 import { groupSnapshotIdForName, isGroupSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
 import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.js';
 import type { SnapshotStore } from '../pool/snapshots.js';
 import { method, type Methods } from '../server/call.js';
-import { type CopyDeps, withVolumesQuiesced } from './consistency.js';
+import { type CopyDeps, withConsistentSources } from './consistency.js';
 import { parseSnapshotParameters } from './controller.js';
 import { snapshotMessage, timestamp } from './messages.js';
 import { requireField } from './validate.js';
@@ -76,7 +75,10 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
       },
       locks: (v) => [v.id, ...v.sources],
       run: async (v, ctx) => {
-        const existing = await snapshots.readGroup(v.id);
+        const record = await snapshots.inspectGroup(v.id);
+        if (record.state === 'damaged') await snapshots.quarantineGroup(v.id, record.reason);
+        if (record.state === 'absent') await snapshots.refuseQuarantinedGroup(v.id);
+        const existing = record.state === 'ok' ? record.value : undefined;
         if (existing?.state === 'ready') {
           if (!sameSet(existing.sourceVolumeIds, v.sources)) {
             throw alreadyExists(
@@ -107,7 +109,8 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
           createdAt: new Date().toISOString(),
         };
         await snapshots.writeGroup(group);
-        const takenAt = await withVolumesQuiesced(ctx, d, v.sources, async (at) => {
+        const takenAt = await withConsistentSources(ctx, d, v.sources, async (plan) => {
+          const at = plan.takenAt;
           for (const [i, src] of sources.entries()) {
             const member: SnapshotMeta = {
               format: 1,
@@ -123,7 +126,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
               createdAt: at.toISOString(),
             };
             await snapshots.create(member, async (image) => {
-              await copyImage(ctx, volumes.imagePath(src.id), image);
+              await plan.copy(src.id, image);
               return { takenAt: at, sizeBytes: src.capacityBytes };
             });
           }
@@ -143,8 +146,10 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
       }),
       locks: (v) => [v.id],
       run: async ({ id, listed }) => {
-        const group = isGroupSnapshotId(id) ? await snapshots.readGroup(id) : undefined;
-        if (!group) return {};
+        const record = await snapshots.inspectGroup(id);
+        if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason);
+        if (record.state !== 'ok') return {};
+        const group = record.value;
         checkListed(group, listed);
         await snapshots.deleteGroup(id, group.snapshotIds);
         return {};

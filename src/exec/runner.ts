@@ -19,6 +19,8 @@ export interface RunOptions {
   input?: string;
   /** A failure here is expected and handled by the caller: log it at debug, not warn. */
   quiet?: boolean;
+  /** Another reason to stop the command, which holds even for a detached one (a pool lock that was lost). */
+  signal?: AbortSignal;
 }
 
 export interface RunResult {
@@ -62,6 +64,52 @@ export interface Runner {
   run(scope: RunScope, command: string, args: readonly string[], options?: RunOptions): Promise<RunResult>;
 }
 
+/**
+ * What the layers below the services need to run commands: a scope (log, cancellation, deadline) bound
+ * to a runner. A CSI call's context is one; so is the driver's own startup work.
+ */
+export interface Exec extends RunScope {
+  readonly runner: Runner;
+  run(command: string, args: readonly string[], options?: RunOptions): Promise<RunResult>;
+}
+
+export function bindExec(runner: Runner, scope: RunScope): Exec {
+  const x: Exec = {
+    ...scope,
+    runner,
+    run: (command, args, options) => runner.run(x, command, args, options),
+  };
+  return x;
+}
+
+/** How long cleanup and rollback may take once they no longer obey the caller's deadline. */
+export const CLEANUP_MS = 30_000;
+
+/**
+ * A scope for cleanup and rollback: the caller's log and runner, but free of its cancellation and
+ * deadline (a call cancelled half-way must still undo what it did), with a short deadline of its own.
+ */
+export function detached(x: Exec, ms = CLEANUP_MS): Exec {
+  return bindExec(x.runner, { log: x.log, deadline: Date.now() + ms });
+}
+
+/** Thrown at a step boundary once the caller cancelled the call or its deadline passed. */
+export class CallStopped extends Error {
+  override readonly name = 'CallStopped';
+  constructor(readonly reason: 'cancelled' | 'deadline') {
+    super(reason === 'cancelled' ? 'the caller cancelled the call' : 'the call ran past its deadline');
+  }
+}
+
+/**
+ * A step boundary: stops the work (so the caller's rollback runs) when the caller is gone. Work that
+ * the caller can no longer see succeed is undone rather than left half-made.
+ */
+export function checkpoint(scope: RunScope): void {
+  if (scope.signal?.aborted) throw new CallStopped('cancelled');
+  if (scope.deadline !== undefined && Date.now() > scope.deadline) throw new CallStopped('deadline');
+}
+
 const DEFAULT_TIMEOUT_MS = 60_000;
 /** Leave the RPC this much time to roll back after a command it ran timed out. */
 const DEADLINE_MARGIN_MS = 500;
@@ -77,11 +125,14 @@ export class ExecRunner implements Runner {
     if (!options.detached && scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
       timeout = Math.min(timeout, Math.max(1, scope.deadline - Date.now() - DEADLINE_MARGIN_MS));
     }
+    const signals = [options.detached ? undefined : scope.signal, options.signal].filter(
+      (x): x is AbortSignal => x !== undefined,
+    );
     const started = performance.now();
     const result = await execa(command, args, {
       reject: false,
       timeout,
-      cancelSignal: options.detached ? undefined : scope.signal,
+      cancelSignal: signals.length > 1 ? AbortSignal.any(signals) : signals[0],
       forceKillAfterDelay: 2_000,
       env: { LC_ALL: 'C', LANG: 'C', PATH: searchPath().join(path.delimiter) },
       extendEnv: true,

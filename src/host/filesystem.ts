@@ -3,17 +3,16 @@
  * an existing one, reading its size from the superblock, and growing it offline or online.
  */
 import fs from 'node:fs/promises';
-import { CommandError } from '../exec/runner.js';
-import { failedPrecondition } from '../errors.js';
+import { CommandError, type Exec } from '../exec/runner.js';
+import { unsafe } from '../errors.js';
 import type { FsType } from '../pool/types.js';
-import type { CallContext } from '../server/call.js';
 
 export type DeviceContent =
   { kind: 'blank' } | { kind: 'filesystem'; type: string } | { kind: 'other'; what: string };
 
 /** blkid -p: exit 2 means no signature at all; a partition table or an ambiguous probe is "other". */
-export async function probeDevice(ctx: CallContext, device: string): Promise<DeviceContent> {
-  const { exitCode, stdout } = await ctx.run('blkid', ['-p', '-o', 'export', device], {
+export async function probeDevice(x: Exec, device: string): Promise<DeviceContent> {
+  const { exitCode, stdout } = await x.run('blkid', ['-p', '-o', 'export', device], {
     okCodes: [0, 2, 8],
     timeoutMs: 30_000,
   });
@@ -65,10 +64,10 @@ function mkfsCommand(fsType: FsType, device: string, prezeroed: boolean): [strin
   }
 }
 
-export async function formatDevice(ctx: CallContext, fsType: FsType, device: string): Promise<void> {
+export async function formatDevice(x: Exec, fsType: FsType, device: string): Promise<void> {
   const [cmd, args] = mkfsCommand(fsType, device, true);
   try {
-    await ctx.run(cmd, args, { timeoutMs: 10 * 60_000 });
+    await x.run(cmd, args, { timeoutMs: 10 * 60_000 });
   } catch (err) {
     // e2fsprogs older than 1.47 does not know assume_storage_prezeroed.
     if (
@@ -77,7 +76,7 @@ export async function formatDevice(ctx: CallContext, fsType: FsType, device: str
       /assume_storage_prezeroed|Bad option/i.test(err.stderr)
     ) {
       const [cmd2, args2] = mkfsCommand(fsType, device, false);
-      await ctx.run(cmd2, args2, { timeoutMs: 10 * 60_000 });
+      await x.run(cmd2, args2, { timeoutMs: 10 * 60_000 });
       return;
     }
     throw err;
@@ -89,17 +88,12 @@ export async function formatDevice(ctx: CallContext, fsType: FsType, device: str
  * XFS and btrfs repair themselves at mount (log replay); their offline repair tools are not for
  * unattended use, so they are not run here.
  */
-export async function checkFilesystem(
-  ctx: CallContext,
-  fsType: FsType,
-  device: string,
-  force = false,
-): Promise<void> {
+export async function checkFilesystem(x: Exec, fsType: FsType, device: string, force = false): Promise<void> {
   if (fsType !== 'ext4') return;
   const args = force ? ['-f', '-p', device] : ['-p', device];
-  const { exitCode } = await ctx.run('e2fsck', args, { okCodes: [0, 1, 2, 4, 8], timeoutMs: 30 * 60_000 });
+  const { exitCode } = await x.run('e2fsck', args, { okCodes: [0, 1, 2, 4, 8], timeoutMs: 30 * 60_000 });
   if (exitCode >= 4) {
-    throw failedPrecondition(
+    throw unsafe(
       `The ext4 filesystem on ${device} has errors that need a manual e2fsck (exit status ${exitCode}); it was not mounted.`,
     );
   }
@@ -152,22 +146,22 @@ export async function filesystemSize(fsType: FsType, device: string): Promise<nu
  * can lag behind: xfs logs a grow and writes the superblock back later).
  */
 export async function mountedFilesystemSize(
-  ctx: CallContext,
+  x: Exec,
   fsType: FsType,
   device: string,
   mountPoint: string,
 ): Promise<number | undefined> {
   switch (fsType) {
     case 'ext4':
-      await flushDeviceBuffers(ctx, device);
+      await flushDeviceBuffers(x, device);
       return filesystemSize('ext4', device);
     case 'xfs': {
-      const { stdout } = await ctx.run('xfs_growfs', ['-n', mountPoint], { timeoutMs: 30_000 });
+      const { stdout } = await x.run('xfs_growfs', ['-n', mountPoint], { timeoutMs: 30_000 });
       const m = /^data\s+=\s+bsize=(\d+)\s+blocks=(\d+)/m.exec(stdout);
       return m?.[1] && m[2] ? Number(m[1]) * Number(m[2]) : undefined;
     }
     case 'btrfs': {
-      const { stdout } = await ctx.run('btrfs', ['filesystem', 'show', '--raw', mountPoint], {
+      const { stdout } = await x.run('btrfs', ['filesystem', 'show', '--raw', mountPoint], {
         timeoutMs: 30_000,
       });
       const sizes = [...stdout.matchAll(/devid\s+\d+\s+size\s+(\d+)/g)].map((m) => Number(m[1]));
@@ -177,8 +171,8 @@ export async function mountedFilesystemSize(
 }
 
 /** Drops the device's cached pages so a superblock read sees the disk. */
-export async function flushDeviceBuffers(ctx: CallContext, device: string): Promise<void> {
-  await ctx.run('blockdev', ['--flushbufs', device], { timeoutMs: 30_000 });
+export async function flushDeviceBuffers(x: Exec, device: string): Promise<void> {
+  await x.run('blockdev', ['--flushbufs', device], { timeoutMs: 30_000 });
 }
 
 /** How much smaller than its device a filesystem may be and still count as filling it. */
@@ -187,9 +181,9 @@ export function growthSlack(deviceBytes: number): number {
 }
 
 /** Grows an unmounted ext4 filesystem to fill its device (resize2fs wants a forced check first). */
-export async function growExt4Offline(ctx: CallContext, device: string): Promise<void> {
-  await checkFilesystem(ctx, 'ext4', device, true);
-  await ctx.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+export async function growExt4Offline(x: Exec, device: string): Promise<void> {
+  await checkFilesystem(x, 'ext4', device, true);
+  await x.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
 }
 
 export class OnlineGrowthUnsupported extends Error {
@@ -197,16 +191,11 @@ export class OnlineGrowthUnsupported extends Error {
 }
 
 /** Grows a mounted filesystem to fill its device. */
-export async function growOnline(
-  ctx: CallContext,
-  fsType: FsType,
-  device: string,
-  mountPoint: string,
-): Promise<void> {
+export async function growOnline(x: Exec, fsType: FsType, device: string, mountPoint: string): Promise<void> {
   switch (fsType) {
     case 'ext4':
       try {
-        await ctx.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+        await x.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
       } catch (err) {
         if (
           err instanceof CommandError &&
@@ -220,22 +209,24 @@ export async function growOnline(
       }
       return;
     case 'xfs':
-      await ctx.run('xfs_growfs', [mountPoint], { timeoutMs: 30 * 60_000 });
+      await x.run('xfs_growfs', [mountPoint], { timeoutMs: 30 * 60_000 });
       return;
     case 'btrfs':
-      await ctx.run('btrfs', ['filesystem', 'resize', 'max', mountPoint], { timeoutMs: 30 * 60_000 });
+      await x.run('btrfs', ['filesystem', 'resize', 'max', mountPoint], { timeoutMs: 30 * 60_000 });
       return;
   }
 }
 
-/** Total and free bytes and inodes of a mounted filesystem. */
-export async function filesystemUsage(mountPoint: string): Promise<{
+export interface Usage {
   totalBytes: number;
   availableBytes: number;
   usedBytes: number;
   totalInodes: number;
   freeInodes: number;
-}> {
+}
+
+/** Total and free bytes and inodes of a mounted filesystem. */
+export async function filesystemUsage(mountPoint: string): Promise<Usage> {
   const st = await fs.statfs(mountPoint);
   const totalBytes = st.blocks * st.bsize;
   const availableBytes = st.bavail * st.bsize;

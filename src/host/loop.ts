@@ -2,18 +2,26 @@
  * Loop devices, read from /sys/block (the kernel's truth, so a restarted plugin finds what its
  * predecessor attached) and changed with losetup, which creates a new device through
  * /dev/loop-control when none is free.
+ *
+ * Which file backs a loop device is judged by device and inode (LOOP_GET_STATUS64, read through
+ * losetup's BACK-MAJ:MIN and BACK-INO columns). The path sysfs shows is only a hint: the kernel prints
+ * it as the mount namespace of the process that attached it saw it, so a plugin in a new container
+ * reads something like /volumes/vol-…/disk.img for an image it knows as /var/lib/loopvol/pool/….
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
-import { CommandError } from '../exec/runner.js';
-import type { CallContext } from '../server/call.js';
+import { CommandError, type Exec } from '../exec/runner.js';
+import type { FileId } from './paths.js';
 
 export interface LoopDevice {
   name: string;
   path: string;
   majorMinor: string;
+  /** The backing file's path as sysfs shows it: a hint, relative to whoever attached it. */
   backingFile: string;
+  /** The backing file's true identity, when the device could be asked (root, /dev/loopN present). */
+  backing: FileId | undefined;
   readOnly: boolean;
   directIo: boolean;
   sizeBytes: number;
@@ -32,6 +40,7 @@ async function readSys(file: string): Promise<string | undefined> {
   }
 }
 
+/** One loop device from sysfs (without its backing identity), or undefined when it is not attached. */
 export async function readLoop(name: string): Promise<LoopDevice | undefined> {
   const base = path.join(SYS_BLOCK, name);
   const backingFile = await readSys(path.join(base, 'loop', 'backing_file'));
@@ -47,33 +56,78 @@ export async function readLoop(name: string): Promise<LoopDevice | undefined> {
     path: `/dev/${name}`,
     majorMinor: dev ?? '',
     backingFile,
+    backing: undefined,
     readOnly: ro === '1',
     directIo: dio === '1',
     sizeBytes: Number(size ?? '0') * 512,
   };
 }
 
-/** Every attached loop device. */
-export async function listLoops(): Promise<LoopDevice[]> {
-  const names = (await fs.readdir(SYS_BLOCK)).filter((n) => /^loop\d+$/.test(n));
-  const loops = await Promise.all(names.map((n) => readLoop(n)));
-  return loops.filter((l): l is LoopDevice => l !== undefined);
-}
-
-/** The loop devices backed by `image` itself (not by a deleted file that once had its name). */
-export async function loopsFor(image: string): Promise<LoopDevice[]> {
-  return (await listLoops()).filter((l) => l.backingFile === image);
-}
+/** The backing file's name without the " (deleted)" the kernel adds once it is unlinked. */
+export const backingName = (l: LoopDevice): string =>
+  path.basename(
+    l.backingFile.endsWith(DELETED_SUFFIX) ? l.backingFile.slice(0, -DELETED_SUFFIX.length) : l.backingFile,
+  );
 
 export const isDeletedBacking = (l: LoopDevice): boolean => l.backingFile.endsWith(DELETED_SUFFIX);
+
+interface LosetupJson {
+  loopdevices?: { name?: string; 'back-maj:min'?: string; 'back-ino'?: number | string }[];
+}
+
+/** Backing identities of loop devices, from losetup (one process for all of them). */
+async function backingIdentities(x: Exec): Promise<Map<string, FileId>> {
+  const out = new Map<string, FileId>();
+  let stdout: string;
+  try {
+    ({ stdout } = await x.run('losetup', ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO'], {
+      timeoutMs: 30_000,
+      quiet: true,
+    }));
+  } catch (err) {
+    x.log.warn({ err }, "could not read loop devices' backing inodes; judging them by path only");
+    return out;
+  }
+  if (stdout.trim() === '') return out;
+  const parsed = JSON.parse(stdout) as LosetupJson;
+  for (const d of parsed.loopdevices ?? []) {
+    const dev = d['back-maj:min']?.trim();
+    const ino = d['back-ino'];
+    if (!d.name || !dev || ino === undefined || ino === '' || dev === '0:0') continue;
+    out.set(path.basename(d.name), { dev, ino: String(ino) });
+  }
+  return out;
+}
+
+/**
+ * Every attached loop device. Those for which `identify` is true (by default all) also get their
+ * backing file's device and inode.
+ */
+export async function listLoops(
+  x: Exec,
+  identify: (l: LoopDevice) => boolean = () => true,
+): Promise<LoopDevice[]> {
+  const names = (await fs.readdir(SYS_BLOCK)).filter((n) => /^loop\d+$/.test(n));
+  const loops = (await Promise.all(names.map((n) => readLoop(n)))).filter(
+    (l): l is LoopDevice => l !== undefined,
+  );
+  if (!loops.some(identify)) return loops;
+  const ids = await backingIdentities(x);
+  return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : l));
+}
 
 export interface AttachOptions {
   readOnly: boolean;
   directIo: boolean;
 }
 
-/** Attaches `image` to a free (or newly created) loop device. */
-export async function attachLoop(ctx: CallContext, image: string, opts: AttachOptions): Promise<LoopDevice> {
+/** Attaches `image` (whose identity is `id`) to a free (or newly created) loop device. */
+export async function attachLoop(
+  x: Exec,
+  image: string,
+  id: FileId | undefined,
+  opts: AttachOptions,
+): Promise<LoopDevice> {
   // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
   // Reuse is decided by the caller from /sys/block.
   const args = ['--find', '--show'];
@@ -83,11 +137,11 @@ export async function attachLoop(ctx: CallContext, image: string, opts: AttachOp
   let lastErr: unknown;
   for (let attempt = 0; attempt < 4; attempt++) {
     try {
-      const { stdout } = await ctx.run('losetup', args, { timeoutMs: 30_000 });
+      const { stdout } = await x.run('losetup', args, { timeoutMs: 30_000 });
       const dev = stdout.trim();
       const loop = await readLoop(path.basename(dev));
       if (!loop) throw new Error(`losetup reported ${dev} but it is not attached`);
-      return loop;
+      return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;
       // Two attaches racing for the same free device: one gets EBUSY; try again.
@@ -97,24 +151,37 @@ export async function attachLoop(ctx: CallContext, image: string, opts: AttachOp
   throw lastErr;
 }
 
-/** Detaches a loop device and waits until the kernel has let go of it. */
-export async function detachLoop(ctx: CallContext, loop: LoopDevice): Promise<void> {
+/**
+ * Detaches a loop device (if it is still attached to the file it was read with) and waits until the
+ * kernel has let go of it. Returns false when the device is still open somewhere (the kernel then
+ * detaches it when the last user closes it).
+ */
+export async function detachLoop(x: Exec, loop: LoopDevice): Promise<boolean> {
+  // The device may have been detached and reused for another file since it was read: leave that one.
+  const now = await readLoop(loop.name);
+  if (!now || now.backingFile !== loop.backingFile) return true;
   try {
-    await ctx.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
+    await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
   } catch (err) {
-    if (!(await readLoop(loop.name))) return; // already gone
+    if (!(await readLoop(loop.name))) return true; // already gone
     throw err;
   }
   // LOOP_CLR_FD is asynchronous while the device is open somewhere; give it a moment.
   for (let i = 0; i < 50; i++) {
     const still = await readLoop(loop.name);
-    if (!still || still.backingFile !== loop.backingFile) return;
+    if (!still || still.backingFile !== loop.backingFile) return true;
     await new Promise((r) => setTimeout(r, 20));
   }
+  x.log.warn(
+    { device: loop.path },
+    'a loop device is still open somewhere; the kernel detaches it when it is closed',
+  );
+  return false;
 }
 
 /** Makes the loop device see the image's current size (after the image grew). */
-export async function refreshLoopSize(ctx: CallContext, loop: LoopDevice): Promise<LoopDevice> {
-  await ctx.run('losetup', ['--set-capacity', loop.path], { timeoutMs: 30_000 });
-  return (await readLoop(loop.name)) ?? loop;
+export async function refreshLoopSize(x: Exec, loop: LoopDevice): Promise<LoopDevice> {
+  await x.run('losetup', ['--set-capacity', loop.path], { timeoutMs: 30_000 });
+  const now = await readLoop(loop.name);
+  return now ? { ...now, backing: loop.backing } : loop;
 }

@@ -3,10 +3,7 @@
  * published on this host, whatever our own files say.
  */
 import fs from 'node:fs/promises';
-import path from 'node:path';
-import type { CallContext } from '../server/call.js';
-import { errnoCode } from '../errors.js';
-import { CommandError } from '../exec/runner.js';
+import { CommandError, type Exec } from '../exec/runner.js';
 
 export interface MountEntry {
   id: number;
@@ -62,39 +59,17 @@ export function mountsAt(mounts: readonly MountEntry[], mountPoint: string): Mou
 export const isReadOnlyMount = (m: MountEntry): boolean => m.options.includes('ro');
 
 /**
- * An absolute, normalized path with symlinks in its existing part resolved, so it compares equal to
- * what mountinfo shows. The path itself need not exist.
- */
-export async function canonicalPath(p: string): Promise<string> {
-  const normal = path.resolve(p);
-  try {
-    return await fs.realpath(normal);
-  } catch (err) {
-    const code = errnoCode(err);
-    if (code !== 'ENOENT' && code !== 'ENOTDIR' && code !== 'ENOTCONN' && code !== 'ESTALE' && code !== 'EIO')
-      throw err;
-  }
-  const parent = path.dirname(normal);
-  if (parent === normal) return normal;
-  return path.join(await canonicalPath(parent), path.basename(normal));
-}
-
-/**
  * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine) and returns the
  * mount table as it is afterwards. `table` is a mount table just read, to save reading it again.
  */
-export async function unmountAll(
-  ctx: CallContext,
-  mountPoint: string,
-  table?: MountEntry[],
-): Promise<MountEntry[]> {
+export async function unmountAll(x: Exec, mountPoint: string, table?: MountEntry[]): Promise<MountEntry[]> {
   let current = table ?? (await readMounts());
   for (let round = 0; round < 4; round++) {
     const stacked = mountsAt(current, mountPoint).length;
     if (stacked === 0) return current;
     for (let i = 0; i < stacked; i++) {
       try {
-        await ctx.run('umount', [mountPoint], { timeoutMs: 120_000 });
+        await x.run('umount', [mountPoint], { timeoutMs: 120_000 });
       } catch (err) {
         // A mount that vanished between our look and umount is what we wanted.
         if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
@@ -103,4 +78,50 @@ export async function unmountAll(
     current = await readMounts();
   }
   throw new Error(`${mountPoint} is still mounted after repeated unmounts`);
+}
+
+export interface MountRequest {
+  fsType: string;
+  source: string;
+  target: string;
+  options: readonly string[];
+}
+
+/** Mounts a filesystem. */
+export async function mountFilesystem(x: Exec, m: MountRequest): Promise<void> {
+  await x.run(
+    'mount',
+    ['-t', m.fsType, ...(m.options.length ? ['-o', m.options.join(',')] : []), m.source, m.target],
+    { timeoutMs: 120_000 },
+  );
+}
+
+/** Bind-mounts `source` (a directory, or a device node onto a file) at `target`. */
+export async function bindMount(
+  x: Exec,
+  source: string,
+  target: string,
+  options: readonly string[],
+): Promise<void> {
+  await x.run('mount', ['--bind', ...(options.length ? ['-o', options.join(',')] : []), source, target], {
+    timeoutMs: 60_000,
+  });
+}
+
+/** Changes the per-mount flags of a bind mount (ro, nosuid, nodev, noexec...). */
+export async function remountBind(x: Exec, target: string, options: readonly string[]): Promise<void> {
+  await x.run('mount', ['-o', ['remount', 'bind', ...options].join(','), target], { timeoutMs: 60_000 });
+}
+
+/**
+ * The line of mount's stderr that says what failed: mount ends with a hint to read dmesg, which says
+ * nothing of the cause, so it is skipped.
+ */
+export function mountErrorLine(err: unknown): string {
+  if (!(err instanceof CommandError)) return '';
+  const lines = err.stderr
+    .split('\n')
+    .map((l) => l.trim())
+    .filter((l) => l !== '' && !/^dmesg\(1\) may have more information/i.test(l));
+  return (lines.at(0) ?? err.lastStderrLine).replace(/\.+$/, '');
 }

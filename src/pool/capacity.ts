@@ -13,8 +13,7 @@
  * own creates, deletes and expansions adjust it in between; the free space is read fresh each time.
  */
 import fs from 'node:fs/promises';
-import path from 'node:path';
-import { resourceExhausted } from '../errors.js';
+import { noSpace } from '../errors.js';
 import { listDir } from './fsutil.js';
 import { isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
@@ -54,9 +53,7 @@ export class Capacity {
     let promised = 0;
     for (let i = 0; i < ids.length; i += SCAN_BATCH) {
       const stats = await Promise.all(
-        ids
-          .slice(i, i + SCAN_BATCH)
-          .map((id) => fs.stat(path.join(this.layout.volumesDir, id, 'disk.img')).catch(() => undefined)),
+        ids.slice(i, i + SCAN_BATCH).map((id) => fs.stat(this.layout.volumeImage(id)).catch(() => undefined)),
       );
       for (const st of stats) if (st) promised += Math.max(0, st.size - st.blocks * 512);
     }
@@ -114,7 +111,7 @@ export class Capacity {
     const report = (await this.measure())();
     const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
     if (bytes > room) {
-      throw resourceExhausted(
+      throw noSpace(
         `The pool has room for ${formatBytes(room)}${kind === 'preallocate' ? ' preallocated' : ''}, not enough for ${what} of ${formatBytes(bytes)}.`,
       );
     }

@@ -82,27 +82,36 @@ export async function readJson(file: string): Promise<unknown> {
   return JSON.parse(text) as unknown;
 }
 
+/** A record read from the pool: absent, present and sound, or present but unreadable. */
+export type RecordRead<T> =
+  { state: 'absent' } | { state: 'ok'; value: T } | { state: 'damaged'; reason: string };
+
 /**
- * Reads a JSON record and checks it with `parse`. Absent: undefined. Present but unreadable or not of
- * its shape: undefined too, with an error in the log — a damaged record never becomes a volume.
+ * Reads a JSON record and checks it with `parse`. A record that exists but is not valid JSON or not of
+ * its shape is "damaged": never the same as absent, because absent lets a retry start over (and
+ * discard what is there), and a damaged record may stand for data.
  */
 export async function readRecord<T>(
   file: string,
   parse: (v: unknown) => T | undefined,
-  log: { error(obj: object, msg: string): void },
-): Promise<T | undefined> {
+): Promise<RecordRead<T>> {
+  let text: string;
+  try {
+    text = await fs.readFile(file, 'utf8');
+  } catch (err) {
+    if (errnoCode(err) === 'ENOENT' || errnoCode(err) === 'ENOTDIR') return { state: 'absent' };
+    throw err;
+  }
   let raw: unknown;
   try {
-    raw = await readJson(file);
-  } catch (err) {
-    log.error({ file, err }, 'a pool record is not valid JSON; treating it as absent');
-    return undefined;
+    raw = JSON.parse(text) as unknown;
+  } catch {
+    return { state: 'damaged', reason: `${path.basename(file)} is not valid JSON` };
   }
-  if (raw === undefined) return undefined;
   const value = parse(raw);
   if (value === undefined)
-    log.error({ file }, 'a pool record does not have the expected shape; treating it as absent');
-  return value;
+    return { state: 'damaged', reason: `${path.basename(file)} does not have the expected fields` };
+  return { state: 'ok', value };
 }
 
 /** Lists a directory; an absent directory is empty. */

@@ -6,8 +6,8 @@
  */
 import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
-import { errnoCode } from '../errors.js';
-import type { CallContext } from '../server/call.js';
+import { conflict, errnoCode } from '../errors.js';
+import type { Exec } from '../exec/runner.js';
 
 export type CopyMethod = 'reflink' | 'sparse-copy';
 
@@ -35,30 +35,20 @@ export async function createSparseImage(file: string, size: number): Promise<voi
 }
 
 /** Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space. */
-export async function preallocate(
-  ctx: CallContext,
-  file: string,
-  offset: number,
-  length: number,
-): Promise<void> {
+export async function preallocate(x: Exec, file: string, offset: number, length: number): Promise<void> {
   if (length <= 0) return;
-  await ctx.run('fallocate', ['--offset', String(offset), '--length', String(length), file], {
+  await x.run('fallocate', ['--offset', String(offset), '--length', String(length), file], {
     timeoutMs: 10 * 60 * 1000,
   });
   await syncFile(file);
 }
 
 /** Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. */
-export async function growImage(
-  ctx: CallContext,
-  file: string,
-  size: number,
-  preallocated: boolean,
-): Promise<void> {
+export async function growImage(x: Exec, file: string, size: number, preallocated: boolean): Promise<void> {
   const st = await fs.stat(file);
   if (st.size >= size) return;
   if (preallocated) {
-    await preallocate(ctx, file, st.size, size - st.size); // fallocate extends the file too
+    await preallocate(x, file, st.size, size - st.size); // fallocate extends the file too
   }
   const handle = await fs.open(file, 'r+');
   try {
@@ -69,27 +59,57 @@ export async function growImage(
   }
 }
 
-const NO_REFLINK = new Set(['ENOTSUP', 'EOPNOTSUPP', 'EXDEV', 'EINVAL', 'ENOSYS', 'ENOTTY', 'EBADF']);
+/** errno codes that mean "this filesystem cannot clone these files by reflink". */
+export const NO_REFLINK = new Set(['ENOTSUP', 'EOPNOTSUPP', 'EXDEV', 'EINVAL', 'ENOSYS', 'ENOTTY', 'EBADF']);
+
+export interface CopyOptions {
+  /**
+   * Whether a byte copy may stand in when a reflink is impossible. A byte copy takes time, so it is
+   * only a point-in-time copy while nothing writes the source; callers that cannot promise that say no.
+   */
+  allowCopy: boolean;
+  /** Stops a byte copy (the copy is then incomplete and the caller discards it). */
+  signal?: AbortSignal;
+  /** Upper bound for a byte copy. */
+  timeoutMs?: number;
+}
+
+export interface CopyResult {
+  method: CopyMethod;
+  /** Bytes the copy read and wrote (allocated bytes of the source; 0 for a reflink). */
+  bytes: number;
+  seconds: number;
+}
 
 /**
- * Copies image `src` to `dst` (which must not exist) and makes it durable. Returns how it copied.
+ * Copies image `src` to `dst` (which must not exist) and makes it durable: by reflink when the pool
+ * can, else (when allowed) by a sparse copy that runs to its end even when the RPC is cancelled (a
+ * retry would redo it), unless `signal` stops it.
  */
-export async function copyImage(ctx: CallContext, src: string, dst: string): Promise<CopyMethod> {
-  let method: CopyMethod = 'reflink';
+export async function copyImage(x: Exec, src: string, dst: string, opts: CopyOptions): Promise<CopyResult> {
+  const started = performance.now();
   try {
     await fs.copyFile(src, dst, constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL);
+    await syncFile(dst);
+    return { method: 'reflink', bytes: 0, seconds: (performance.now() - started) / 1000 };
   } catch (err) {
     const code = errnoCode(err);
     if (code === undefined || !NO_REFLINK.has(code)) throw err;
     await fs.rm(dst, { force: true });
-    method = 'sparse-copy';
-    await ctx.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {
-      detached: true,
-      timeoutMs: COPY_TIMEOUT_MS,
-    });
+    if (!opts.allowCopy) {
+      throw conflict(
+        `The pool could not clone ${src} by reflink (${code}), and a byte copy is not safe here.`,
+      );
+    }
   }
+  const bytes = await allocatedBytes(src);
+  await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {
+    detached: true,
+    timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
+    ...(opts.signal ? { signal: opts.signal } : {}),
+  });
   await syncFile(dst);
-  return method;
+  return { method: 'sparse-copy', bytes, seconds: (performance.now() - started) / 1000 };
 }
 
 /** Bytes the file really occupies on disk. */

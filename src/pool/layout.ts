@@ -12,13 +12,18 @@
  *   groups/<group-id>/meta.json               volume group snapshots (their members are snapshots)
  *   nodes/<node>.json                 node plugins that serve this pool, and their attach limits
  *   nodes/<node>.attached/<vol-id>    index of volumes published to a node (counts the limit)
+ *   nodes/<node>.quiesce              freeze requests to a node (see pool/quiesce.ts)
+ *   nodes/<node>.frozen               the node's answers to them
  *   locks/<key>.lock                  cross-process locks
  *   trash/                            deleted volumes and snapshots on their way out
+ *   quarantine/<id>.<when>/           directories whose record could not be read, kept for an operator
  */
 import path from 'node:path';
 import { isGroupSnapshotId, isNodeId, isSnapshotId, isVolumeId } from './ids.js';
 
 export const POOL_FORMAT = 1;
+/** Every disk image in a pool has this file name (a volume's, a snapshot's). */
+export const IMAGE_FILE = 'disk.img';
 
 function checked(id: string, ok: boolean, what: string): string {
   if (!ok) throw new Error(`refusing to build a path from the ${what} ${JSON.stringify(id)}`);
@@ -49,6 +54,9 @@ export class PoolLayout {
   get trashDir(): string {
     return path.join(this.root, 'trash');
   }
+  get quarantineDir(): string {
+    return path.join(this.root, 'quarantine');
+  }
 
   volumeDir(id: string): string {
     return path.join(this.volumesDir, checked(id, isVolumeId(id), 'volume id'));
@@ -57,10 +65,10 @@ export class PoolLayout {
     return path.join(this.volumeDir(id), 'meta.json');
   }
   volumeImage(id: string): string {
-    return path.join(this.volumeDir(id), 'disk.img');
+    return path.join(this.volumeDir(id), IMAGE_FILE);
   }
   volumeImageTemp(id: string): string {
-    return path.join(this.volumeDir(id), 'disk.img.partial');
+    return path.join(this.volumeDir(id), `${IMAGE_FILE}.partial`);
   }
   volumeInitialized(id: string): string {
     return path.join(this.volumeDir(id), 'initialized');
@@ -85,10 +93,10 @@ export class PoolLayout {
     return path.join(this.snapshotDir(id), 'meta.json');
   }
   snapshotImage(id: string): string {
-    return path.join(this.snapshotDir(id), 'disk.img');
+    return path.join(this.snapshotDir(id), IMAGE_FILE);
   }
   snapshotImageTemp(id: string): string {
-    return path.join(this.snapshotDir(id), 'disk.img.partial');
+    return path.join(this.snapshotDir(id), `${IMAGE_FILE}.partial`);
   }
 
   groupDir(id: string): string {
@@ -103,6 +111,12 @@ export class PoolLayout {
   }
   nodeAttachedDir(node: string): string {
     return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.attached`);
+  }
+  nodeQuiesceRequests(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.quiesce`);
+  }
+  nodeQuiesceAnswers(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.frozen`);
   }
   nodeAttached(node: string, volumeId: string): string {
     return path.join(this.nodeAttachedDir(node), checked(volumeId, isVolumeId(volumeId), 'volume id'));

@@ -6,7 +6,13 @@
  * its owner. A lock whose owner is gone is broken and taken over:
  *  - an owner on this host (same boot id and pid namespace) is gone when its process is, which makes a
  *    kill -9 recoverable at once;
- *  - an owner elsewhere refreshes the lock's mtime while it holds it; one silent for LEASE_MS is gone.
+ *  - the owner's successor (a node plugin restarted in a new container on the same host, which names
+ *    itself by the same role) knows its predecessor is gone, and takes over at once;
+ *  - an owner elsewhere refreshes the lock file (its mtime, and so its ctime) while it holds it. Clocks
+ *    of other hosts are never compared with ours: a lock is stale when this process has watched it and
+ *    seen no change for `leaseMs` by its own clock.
+ * An owner that cannot renew its lock (the file was taken over, or the pool does not answer) for half
+ * the lease stops acting under it: its `signal` aborts, and work checks it before each step that commits.
  * The in-process in-flight set is the first line (it answers ABORTED); this one keeps processes apart.
  */
 import { randomBytes } from 'node:crypto';
@@ -14,10 +20,10 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { errnoCode } from '../errors.js';
+import { busy, errnoCode } from '../errors.js';
 import { createExclusive, isRecord, readJson, removeFile } from './fsutil.js';
 
-const LEASE_MS = 60_000;
+export const LEASE_MS = 60_000;
 const HEARTBEAT_MS = 15_000;
 
 interface LockOwner {
@@ -29,6 +35,8 @@ interface LockOwner {
   token: string;
   purpose: string;
   since: string;
+  /** Who the owner is across restarts on one host (e.g. "node:worker-1"), when it has such a name. */
+  role?: string;
 }
 
 interface Identity {
@@ -72,7 +80,7 @@ function identity(): Promise<Identity> {
 
 function parseOwner(v: unknown): LockOwner | undefined {
   if (!isRecord(v)) return undefined;
-  const { host, bootId, pidNs, pid, start, token, purpose, since } = v;
+  const { host, bootId, pidNs, pid, start, token, purpose, since, role } = v;
   if (
     typeof host !== 'string' ||
     typeof bootId !== 'string' ||
@@ -92,10 +100,15 @@ function parseOwner(v: unknown): LockOwner | undefined {
     token,
     purpose: typeof purpose === 'string' ? purpose : '',
     since: typeof since === 'string' ? since : '',
+    ...(typeof role === 'string' ? { role } : {}),
   };
 }
 
 export interface HeldLock {
+  /** Aborts when this process can no longer be sure it holds the lock. */
+  readonly signal: AbortSignal;
+  /** Throws ABORTED when the lock was lost: call it before a step that commits. */
+  assertHeld(): void;
   release(): Promise<void>;
 }
 
@@ -103,11 +116,37 @@ export interface LockBusy {
   holder: string;
 }
 
+export interface LockOptions {
+  /** How long a lock of another host must be seen unchanged before it counts as abandoned. */
+  leaseMs?: number;
+  /** How often a held lock is renewed. */
+  heartbeatMs?: number;
+  /** This process's lasting name on its host ("node:<id>"): its successor takes over its locks at once. */
+  role?: string;
+}
+
+interface Sighting {
+  fingerprint: string;
+  /** performance.now() when this fingerprint was first seen. */
+  since: number;
+}
+
 export class LockManager {
+  private readonly leaseMs: number;
+  private readonly heartbeatMs: number;
+  private readonly role: string | undefined;
+  /** What this process saw of other hosts' locks, and since when (its own monotonic clock). */
+  private readonly sightings = new Map<string, Sighting>();
+
   constructor(
     private readonly dir: string,
     private readonly log: Logger,
-  ) {}
+    options: LockOptions = {},
+  ) {
+    this.leaseMs = options.leaseMs ?? LEASE_MS;
+    this.heartbeatMs = options.heartbeatMs ?? HEARTBEAT_MS;
+    this.role = options.role;
+  }
 
   private file(key: string): string {
     if (!/^[A-Za-z0-9._-]+$/.test(key)) throw new Error(`bad lock key ${key}`);
@@ -123,44 +162,70 @@ export class LockManager {
       token: randomBytes(12).toString('hex'),
       purpose,
       since: new Date().toISOString(),
+      ...(this.role ? { role: this.role } : {}),
     };
     const body = JSON.stringify(owner);
     for (let attempt = 0; attempt < 3; attempt++) {
-      if (await createExclusive(file, body, false)) return this.held(file, owner);
+      if (await createExclusive(file, body, false)) {
+        this.sightings.delete(file);
+        return this.held(file, owner);
+      }
       const current = await this.inspect(file);
       if (current === 'gone') continue;
       if (current.live) return { holder: describe(current.owner) };
       if (!(await this.breakStale(file, current.owner))) {
         return { holder: current.owner ? describe(current.owner) : 'another process' };
       }
+      this.sightings.delete(file);
       this.log.warn(
-        { lock: key, previous: current.owner },
+        { lock: key, previous: current.owner, why: current.why },
         'took over a lock left by a process that is gone',
       );
     }
     return { holder: 'another process (lock contended)' };
   }
 
-  private async inspect(file: string): Promise<'gone' | { live: boolean; owner: LockOwner | undefined }> {
+  private async inspect(
+    file: string,
+  ): Promise<'gone' | { live: boolean; owner: LockOwner | undefined; why?: string }> {
     let stat;
     try {
-      stat = await fs.stat(file);
+      stat = await fs.stat(file, { bigint: true });
     } catch (err) {
-      if (errnoCode(err) === 'ENOENT') return 'gone';
+      if (errnoCode(err) === 'ENOENT') {
+        this.sightings.delete(file);
+        return 'gone';
+      }
       throw err;
     }
     let owner: LockOwner | undefined;
     try {
       owner = parseOwner(await readJson(file));
     } catch {
-      owner = undefined; // unreadable: judged by age alone
+      owner = undefined; // unreadable: judged by whether it changes
     }
     const me = await identity();
-    if (owner && owner.bootId === me.bootId && owner.pidNs === me.pidNs) {
-      if (owner.pid === me.pid) return { live: owner.start === me.start, owner };
-      return { live: await isAlive(owner.pid, owner.start), owner };
+    if (owner && owner.bootId === me.bootId) {
+      if (owner.pidNs === me.pidNs) {
+        if (owner.pid === me.pid)
+          return { live: owner.start === me.start, owner, why: 'an earlier run of this process' };
+        return { live: await isAlive(owner.pid, owner.start), owner, why: 'its process exited' };
+      }
+      if (this.role !== undefined && owner.role === this.role) {
+        // Our predecessor on this host (the container we replaced): it is gone, or we would not run.
+        return { live: false, owner, why: 'the previous container of this node plugin' };
+      }
     }
-    return { live: Date.now() - stat.mtimeMs < LEASE_MS, owner };
+    // Another host (or another container on this one): alive as long as its lock keeps changing.
+    const fingerprint = `${owner?.token ?? '?'}|${stat.mtimeNs}|${stat.ctimeNs}|${stat.size}`;
+    const now = performance.now();
+    const seen = this.sightings.get(file);
+    if (!seen || seen.fingerprint !== fingerprint) {
+      this.sightings.set(file, { fingerprint, since: now });
+      return { live: true, owner };
+    }
+    if (now - seen.since < this.leaseMs) return { live: true, owner };
+    return { live: false, owner, why: `unchanged for ${Math.round((now - seen.since) / 1000)} s` };
   }
 
   /** Moves the stale lock aside; only one breaker can win the rename, and it checks what it took. */
@@ -189,13 +254,45 @@ export class LockManager {
   }
 
   private held(file: string, owner: LockOwner): HeldLock {
-    const timer = setInterval(() => {
-      const now = new Date();
-      fs.utimes(file, now, now).catch(() => undefined);
-    }, HEARTBEAT_MS);
-    timer.unref();
+    const controller = new AbortController();
+    let lastRenewed = performance.now();
     let released = false;
+    const lose = (why: string): void => {
+      if (controller.signal.aborted) return;
+      controller.abort(new Error(why));
+      this.log.error({ lock: file, why }, 'lost a pool lock; stopping the work done under it');
+    };
+    const renew = async (): Promise<void> => {
+      let current: LockOwner | undefined;
+      try {
+        current = parseOwner(await readJson(file));
+      } catch {
+        current = undefined;
+      }
+      if (released) return;
+      if (current?.token !== owner.token) {
+        lose('another process took the lock over');
+        return;
+      }
+      const now = new Date();
+      await fs.utimes(file, now, now);
+      lastRenewed = performance.now();
+    };
+    const timer = setInterval(() => {
+      renew().catch((err: unknown) => {
+        this.log.warn({ lock: file, err }, 'could not renew a pool lock');
+        // Others declare it abandoned after a full lease without change: stop well before that.
+        if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
+      });
+    }, this.heartbeatMs);
+    timer.unref();
     return {
+      signal: controller.signal,
+      assertHeld: () => {
+        if (controller.signal.aborted) {
+          throw busy(`This process lost its lock on ${path.basename(file, '.lock')} while working; retry.`);
+        }
+      },
       release: async () => {
         if (released) return;
         released = true;

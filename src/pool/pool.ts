@@ -8,14 +8,39 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { aborted, errnoCode } from '../errors.js';
+import { busy, errnoCode, unsafe } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import { createExclusive, fsyncDir, isRecord, listDir, readJson } from './fsutil.js';
+import {
+  createExclusive,
+  exists,
+  fsyncDir,
+  isRecord,
+  listDir,
+  readJson,
+  type RecordRead,
+  writeFileAtomic,
+} from './fsutil.js';
+import { NO_REFLINK } from './images.js';
 import { POOL_FORMAT, PoolLayout } from './layout.js';
-import { isHeld, LockManager } from './lock.js';
+import { type HeldLock, isHeld, LockManager, type LockOptions } from './lock.js';
 
 /** How long a call waits for a pool lock another call holds. */
 const LOCK_WAIT_MS = 2_000;
+/** A cautious guess at sparse-copy speed until this process has measured one (100 MiB/s). */
+const INITIAL_COPY_RATE = 100 * 2 ** 20;
+/** The note a quarantined directory carries. */
+export const QUARANTINE_NOTE = 'QUARANTINE.json';
+
+const capitalize = (s: string): string => s.charAt(0).toUpperCase() + s.slice(1);
+
+/** The error for a record that cannot be read (`quarantinedAt`: where its directory went, if it was moved). */
+export function damagedRecord(what: string, reason: string, quarantinedAt?: string) {
+  return unsafe(
+    quarantinedAt
+      ? `The record of ${what} cannot be read (${reason}); its directory was moved to ${quarantinedAt} for an operator, and nothing was deleted.`
+      : `The record of ${what} cannot be read (${reason}); nothing was changed, and an operator must repair it.`,
+  );
+}
 
 export class PoolError extends Error {
   override readonly name = 'PoolError';
@@ -25,19 +50,24 @@ export class Pool {
   readonly layout: PoolLayout;
   readonly locks: LockManager;
 
+  private reflink: Promise<boolean> | undefined;
+  /** Bytes per second of recent sparse copies in this pool (an estimate for the freeze budget). */
+  private copyRate = INITIAL_COPY_RATE;
+
   private constructor(
     readonly root: string,
     readonly name: string,
     readonly log: Logger,
+    lockOptions: LockOptions,
   ) {
     this.layout = new PoolLayout(root);
-    this.locks = new LockManager(this.layout.locksDir, log);
+    this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
   }
 
   /** Opens the pool at `dir`, creating it (and its format file) when it is new. */
-  static async open(dir: string, name: string, log: Logger): Promise<Pool> {
+  static async open(dir: string, name: string, log: Logger, lockOptions: LockOptions = {}): Promise<Pool> {
     try {
-      return await Pool.openOrCreate(dir, name, log);
+      return await Pool.openOrCreate(dir, name, log, lockOptions);
     } catch (err) {
       if (err instanceof PoolError) throw err;
       const code = errnoCode(err);
@@ -50,10 +80,15 @@ export class Pool {
     }
   }
 
-  private static async openOrCreate(dir: string, name: string, log: Logger): Promise<Pool> {
+  private static async openOrCreate(
+    dir: string,
+    name: string,
+    log: Logger,
+    lockOptions: LockOptions,
+  ): Promise<Pool> {
     await fs.mkdir(dir, { recursive: true, mode: 0o750 });
     const root = await fs.realpath(dir);
-    const pool = new Pool(root, name, log);
+    const pool = new Pool(root, name, log, lockOptions);
     const { layout } = pool;
     for (const sub of [
       layout.volumesDir,
@@ -62,6 +97,7 @@ export class Pool {
       layout.nodesDir,
       layout.locksDir,
       layout.trashDir,
+      layout.quarantineDir,
     ]) {
       await fs.mkdir(sub, { recursive: true, mode: 0o750 });
     }
@@ -107,21 +143,129 @@ export class Pool {
 
   /**
    * Runs `fn` holding the cross-process lock `key`. Pool locks guard short steps, so a busy lock is
-   * waited for (up to `waitMs`) before the call gives up with ABORTED.
+   * waited for (up to `waitMs`) before the call gives up with ABORTED. `fn` gets the lock, to check
+   * (`assertHeld`) before a step that commits that this process still holds it.
    */
-  async withLock<T>(key: string, purpose: string, fn: () => Promise<T>, waitMs = LOCK_WAIT_MS): Promise<T> {
+  async withLock<T>(
+    key: string,
+    purpose: string,
+    fn: (lock: HeldLock) => Promise<T>,
+    waitMs = LOCK_WAIT_MS,
+  ): Promise<T> {
     const deadline = Date.now() + waitMs;
     let got = await this.locks.tryAcquire(key, purpose);
     for (let pause = 2; !isHeld(got) && Date.now() < deadline; pause = Math.min(pause * 2, 50)) {
       await new Promise((r) => setTimeout(r, pause + Math.random() * pause));
       got = await this.locks.tryAcquire(key, purpose);
     }
-    if (!isHeld(got)) throw aborted(`${key} is being changed by ${got.holder}; retry later.`);
+    if (!isHeld(got)) throw busy(`${key} is being changed by ${got.holder}; retry later.`);
     try {
-      return await fn();
+      return await fn(got);
     } finally {
       await got.release();
     }
+  }
+
+  /**
+   * Moves a directory whose record cannot be read out of the way, into quarantine/, with a note of why
+   * and when. Nothing in quarantine is ever deleted by the driver: an operator decides. Returns where it went.
+   */
+  async quarantine(dir: string, why: string): Promise<string> {
+    const stamp = new Date().toISOString().replace(/[:.]/g, '-');
+    const target = path.join(this.layout.quarantineDir, `${path.basename(dir)}.${stamp}`);
+    await fs.mkdir(this.layout.quarantineDir, { recursive: true, mode: 0o750 });
+    await fs.rename(dir, target);
+    await fsyncDir(path.dirname(dir));
+    await fsyncDir(this.layout.quarantineDir);
+    const note = {
+      why,
+      from: dir,
+      at: new Date().toISOString(),
+      by: `${os.hostname()} pid ${process.pid}`,
+      what: 'loopvol moved this here instead of deleting it. Nothing here is removed automatically: restore it (move it back and repair its record) or delete it.',
+    };
+    await writeFileAtomic(path.join(target, QUARANTINE_NOTE), `${JSON.stringify(note, null, 2)}\n`);
+    this.log.error({ from: dir, to: target, why }, 'quarantined a pool record that cannot be read');
+    return target;
+  }
+
+  /**
+   * Clears the way for a record that is about to be (re)made in `dir`, which holds no sound finished
+   * record: an unfinished creation of our own (a "creating" record, or no record and no image) is
+   * discarded; anything that may hold data (a damaged record, an image without a record) is
+   * quarantined, and the caller is told where it went (an error that names the place).
+   */
+  async clearLeftover(what: string, dir: string, record: RecordRead<unknown>, image: string): Promise<void> {
+    if (!(await exists(dir))) return;
+    const orphanImage = record.state === 'absent' && (await exists(image));
+    if (record.state === 'damaged' || orphanImage) {
+      const reason = record.state === 'damaged' ? record.reason : `${path.basename(image)} has no record`;
+      const to = await this.quarantine(dir, reason);
+      throw damagedRecord(what, reason, to);
+    }
+    this.log.warn({ dir }, `discarding an interrupted creation of ${what} before retrying it`);
+    await this.discard(dir);
+  }
+
+  /** Refuses to make `what` (id `id`) again while an earlier one waits in quarantine for an operator. */
+  async refuseQuarantined(what: string, id: string): Promise<void> {
+    const q = await this.quarantinedFor(id);
+    if (q.length > 0) {
+      throw unsafe(
+        `${capitalize(what)} was quarantined at ${q.join(', ')} because its record could not be read; an operator must restore or remove it before it is made again.`,
+      );
+    }
+  }
+
+  /** Entries in quarantine/ (each a directory named <id>.<when>). */
+  async quarantined(): Promise<string[]> {
+    return (await listDir(this.layout.quarantineDir)).sort();
+  }
+
+  /** The quarantined directories of `id`, if any. */
+  async quarantinedFor(id: string): Promise<string[]> {
+    return (await this.quarantined())
+      .filter((e) => e.startsWith(`${id}.`))
+      .map((e) => path.join(this.layout.quarantineDir, e));
+  }
+
+  /** Whether the pool's filesystem can clone files by reflink (probed once, with a file of its own). */
+  canReflink(): Promise<boolean> {
+    this.reflink ??= (async () => {
+      const probe = path.join(this.layout.trashDir, `.reflink-probe-${randomBytes(6).toString('hex')}`);
+      try {
+        await fs.writeFile(probe, 'reflink probe\n');
+        await fs.copyFile(
+          probe,
+          `${probe}.clone`,
+          constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL,
+        );
+        return true;
+      } catch (err) {
+        const code = errnoCode(err);
+        if (code !== undefined && NO_REFLINK.has(code)) return false;
+        throw err;
+      } finally {
+        await fs.rm(probe, { force: true });
+        await fs.rm(`${probe}.clone`, { force: true });
+      }
+    })();
+    this.reflink.catch(() => {
+      this.reflink = undefined;
+    });
+    return this.reflink;
+  }
+
+  /** Records how fast a sparse copy of `bytes` went, to judge the next one against the freeze budget. */
+  recordCopy(bytes: number, seconds: number): void {
+    if (bytes < 16 * 2 ** 20 || seconds <= 0) return;
+    const rate = bytes / seconds;
+    this.copyRate = Math.round(this.copyRate * 0.5 + rate * 0.5);
+  }
+
+  /** Seconds a sparse copy of `bytes` is expected to take. */
+  copySeconds(bytes: number): number {
+    return bytes / this.copyRate;
   }
 
   /** Deletes a directory tree: renamed into the trash first (atomic), then removed. */

@@ -6,11 +6,12 @@
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
-import { invalidArgument } from '../errors.js';
+import { invalid, missing } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import { exists, fsyncDir, listDir, readRecord, writeFileAtomic } from './fsutil.js';
+import { fsyncDir, listDir, readRecord, type RecordRead, writeFileAtomic } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId } from './ids.js';
-import type { Pool } from './pool.js';
+import type { HeldLock } from './lock.js';
+import { damagedRecord, type Pool } from './pool.js';
 import {
   type GroupSnapshotMeta,
   parseGroupSnapshotMeta,
@@ -35,9 +36,16 @@ export class SnapshotStore {
     return this.layout.snapshotImage(id);
   }
 
-  read(id: string): Promise<SnapshotMeta | undefined> {
-    if (!isSnapshotId(id)) return Promise.resolve(undefined);
-    return readRecord(this.layout.snapshotMeta(id), parseSnapshotMeta, this.log);
+  inspect(id: string): Promise<RecordRead<SnapshotMeta>> {
+    if (!isSnapshotId(id)) return Promise.resolve({ state: 'absent' });
+    return readRecord(this.layout.snapshotMeta(id), parseSnapshotMeta);
+  }
+
+  /** The snapshot's record in whatever state; an unreadable one is an error, never "absent". */
+  async read(id: string): Promise<SnapshotMeta | undefined> {
+    const r = await this.inspect(id);
+    if (r.state === 'damaged') throw damagedRecord(`snapshot ${id}`, r.reason);
+    return r.state === 'ok' ? r.value : undefined;
   }
 
   async get(id: string): Promise<SnapshotMeta | undefined> {
@@ -46,29 +54,45 @@ export class SnapshotStore {
   }
 
   /**
+   * Runs `fn` on a complete snapshot while holding it (DeleteSnapshot waits, then answers ABORTED),
+   * so a restore never reads an image that is being deleted. NOT_FOUND when it does not exist.
+   */
+  async holding<T>(
+    id: string,
+    purpose: string,
+    fn: (meta: SnapshotMeta, lock: HeldLock) => Promise<T>,
+  ): Promise<T> {
+    return this.pool.withLock(id, purpose, async (lock) => {
+      const meta = await this.get(id);
+      if (!meta) throw missing(`Snapshot ${id} does not exist.`);
+      return fn(meta, lock);
+    });
+  }
+
+  /**
    * Creates the snapshot `meta` describes, or returns the complete one already under its id. `copy`
    * writes the image at the path it is given and returns the instant it stands for and its size.
    */
   async create(
     meta: SnapshotMeta,
-    copy: (imagePath: string) => Promise<{ takenAt: Date; sizeBytes: number }>,
+    copy: (imagePath: string, lock: HeldLock) => Promise<{ takenAt: Date; sizeBytes: number }>,
   ): Promise<{ snapshot: SnapshotMeta; created: boolean }> {
     const { id } = meta;
-    return this.pool.withLock(id, 'CreateSnapshot', async () => {
-      const existing = await this.read(id);
-      if (existing?.state === 'ready') return { snapshot: existing, created: false };
+    return this.pool.withLock(id, 'CreateSnapshot', async (lock) => {
+      const record = await this.inspect(id);
+      if (record.state === 'ok' && record.value.state === 'ready')
+        return { snapshot: record.value, created: false };
       const dir = this.layout.snapshotDir(id);
-      if (await exists(dir)) {
-        this.log.warn({ snapshotId: id }, 'discarding an interrupted snapshot before retrying it');
-        await this.pool.discard(dir);
-      }
+      await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id));
+      await this.pool.refuseQuarantined(`snapshot ${id}`, id);
       try {
         await fs.mkdir(dir, { mode: 0o750 });
         await fsyncDir(this.layout.snapshotsDir);
         await writeFileAtomic(this.layout.snapshotMeta(id), json({ ...meta, state: 'creating' }));
         const partial = this.layout.snapshotImageTemp(id);
-        const { takenAt, sizeBytes } = await copy(partial);
+        const { takenAt, sizeBytes } = await copy(partial, lock);
         failpoint('create-snapshot:image-written');
+        lock.assertHeld();
         await fs.rename(partial, this.layout.snapshotImage(id));
         await fsyncDir(dir);
         const ready: SnapshotMeta = { ...meta, state: 'ready', sizeBytes, createdAt: takenAt.toISOString() };
@@ -90,13 +114,24 @@ export class SnapshotStore {
   async delete(id: string, fromGroup?: string): Promise<void> {
     if (!isSnapshotId(id)) return;
     await this.pool.withLock(id, 'DeleteSnapshot', async () => {
-      const meta = await this.read(id);
+      const record = await this.inspect(id);
+      if (record.state !== 'ok') {
+        // An unfinished copy goes; a snapshot whose record cannot be read is quarantined.
+        await this.pool.clearLeftover(
+          `snapshot ${id}`,
+          this.layout.snapshotDir(id),
+          record,
+          this.layout.snapshotImage(id),
+        );
+        return;
+      }
+      const meta = record.value;
       if (
-        meta?.groupSnapshotId &&
+        meta.groupSnapshotId &&
         meta.groupSnapshotId !== fromGroup &&
         (await this.readGroup(meta.groupSnapshotId))
       ) {
-        throw invalidArgument(
+        throw invalid(
           `Snapshot ${id} is part of group snapshot ${meta.groupSnapshotId}; delete the group snapshot instead.`,
         );
       }
@@ -118,8 +153,9 @@ export class SnapshotStore {
     while (snapshots.length < limit && i < ids.length) {
       const batch = ids.slice(i, i + LIST_BATCH);
       let used = 0;
-      for (const meta of await Promise.all(batch.map((id) => this.get(id)))) {
+      for (const r of await Promise.all(batch.map((id) => this.inspect(id)))) {
         used++;
+        const meta = r.state === 'ok' && r.value.state === 'ready' ? r.value : undefined;
         if (meta && filter(meta)) {
           snapshots.push(meta);
           if (snapshots.length >= limit) break;
@@ -131,9 +167,29 @@ export class SnapshotStore {
     return { snapshots, next: i < ids.length && last ? last.id : undefined };
   }
 
-  readGroup(id: string): Promise<GroupSnapshotMeta | undefined> {
-    if (!isGroupSnapshotId(id)) return Promise.resolve(undefined);
-    return readRecord(this.layout.groupMeta(id), parseGroupSnapshotMeta, this.log);
+  inspectGroup(id: string): Promise<RecordRead<GroupSnapshotMeta>> {
+    if (!isGroupSnapshotId(id)) return Promise.resolve({ state: 'absent' });
+    return readRecord(this.layout.groupMeta(id), parseGroupSnapshotMeta);
+  }
+
+  /** A group snapshot's record; an unreadable one is an error, never "absent". */
+  async readGroup(id: string): Promise<GroupSnapshotMeta | undefined> {
+    const r = await this.inspectGroup(id);
+    if (r.state === 'damaged') throw damagedRecord(`group snapshot ${id}`, r.reason);
+    return r.state === 'ok' ? r.value : undefined;
+  }
+
+  /**
+   * Moves a group snapshot whose record cannot be read into quarantine (its members stay where they
+   * are: without the record nobody can say which they are) and reports where it went.
+   */
+  async quarantineGroup(id: string, reason: string): Promise<never> {
+    const to = await this.pool.quarantine(this.layout.groupDir(id), reason);
+    throw damagedRecord(`group snapshot ${id}`, reason, to);
+  }
+
+  async refuseQuarantinedGroup(id: string): Promise<void> {
+    await this.pool.refuseQuarantined(`group snapshot ${id}`, id);
   }
 
   /** Records a group snapshot (state "creating" while its members are copied, then "ready"). */

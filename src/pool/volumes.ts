@@ -14,22 +14,23 @@
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { alreadyExists, failedPrecondition, notFound, resourceExhausted } from '../errors.js';
+import { conflict, mismatch, missing, noSpace } from '../errors.js';
 import type { Capacity } from './capacity.js';
 import {
   createExclusive,
   exists,
   fsyncDir,
   listDir,
-  readJson,
   readRecord,
+  type RecordRead,
   removeFile,
   writeFileAtomic,
 } from './fsutil.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import { allocatedBytes } from './images.js';
 import type { NodeRegistry } from './nodes.js';
-import type { Pool } from './pool.js';
+import type { HeldLock } from './lock.js';
+import { damagedRecord, type Pool } from './pool.js';
 import {
   type Attachment,
   isMultiNode,
@@ -65,10 +66,20 @@ export class VolumeStore {
     return this.layout.volumeImage(id);
   }
 
-  /** The volume's record in whatever state it is; undefined when there is none (or the id is not ours). */
-  read(id: string): Promise<VolumeMeta | undefined> {
-    if (!isVolumeId(id)) return Promise.resolve(undefined);
-    return readRecord(this.layout.volumeMeta(id), parseVolumeMeta, this.log);
+  /** The volume's record as it is on disk: absent, sound, or damaged. */
+  inspect(id: string): Promise<RecordRead<VolumeMeta>> {
+    if (!isVolumeId(id)) return Promise.resolve({ state: 'absent' });
+    return readRecord(this.layout.volumeMeta(id), parseVolumeMeta);
+  }
+
+  /**
+   * The volume's record in whatever state it is; undefined when there is none (or the id is not ours).
+   * A record that cannot be read is an error, never "absent": it may stand for data.
+   */
+  async read(id: string): Promise<VolumeMeta | undefined> {
+    const r = await this.inspect(id);
+    if (r.state === 'damaged') throw damagedRecord(`volume ${id}`, r.reason);
+    return r.state === 'ok' ? r.value : undefined;
   }
 
   /** A volume that exists and is complete. */
@@ -79,7 +90,7 @@ export class VolumeStore {
 
   async mustGet(id: string): Promise<VolumeMeta> {
     const meta = await this.get(id);
-    if (!meta) throw notFound(`Volume ${id} does not exist.`);
+    if (!meta) throw missing(`Volume ${id} does not exist.`);
     return meta;
   }
 
@@ -93,20 +104,16 @@ export class VolumeStore {
    */
   async create(
     meta: VolumeMeta,
-    fill: (imagePath: string) => Promise<FillResult>,
+    fill: (imagePath: string, lock: HeldLock) => Promise<FillResult>,
   ): Promise<{ volume: VolumeMeta; created: boolean }> {
     const { id } = meta;
-    return this.pool.withLock(id, 'CreateVolume', async () => {
-      const existing = await this.read(id);
-      if (existing?.state === 'ready') return { volume: existing, created: false };
+    return this.pool.withLock(id, 'CreateVolume', async (lock) => {
+      const record = await this.inspect(id);
+      if (record.state === 'ok' && record.value.state === 'ready')
+        return { volume: record.value, created: false };
       const dir = this.layout.volumeDir(id);
-      if (await exists(dir)) {
-        this.log.warn(
-          { volumeId: id },
-          'discarding an interrupted creation of this volume before retrying it',
-        );
-        await this.pool.discard(dir);
-      }
+      await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
+      await this.pool.refuseQuarantined(`volume ${id}`, id);
       const settle = await this.capacity.reserve(
         meta.capacityBytes,
         meta.allocation === 'preallocate' && !meta.contentSource ? 'preallocate' : 'sparse',
@@ -122,11 +129,12 @@ export class VolumeStore {
         await this.writeMeta({ ...meta, state: 'creating' }, false);
         failpoint('create-volume:meta-creating');
         const partial = this.layout.volumeImageTemp(id);
-        const { initialized } = await fill(partial);
+        const { initialized } = await fill(partial, lock);
         failpoint('create-volume:image-written');
         await fs.rename(partial, this.layout.volumeImage(id));
         failpoint('create-volume:image-renamed');
         if (initialized) await this.markInitialized(id, 'controller (content source)');
+        lock.assertHeld();
         const ready: VolumeMeta = { ...meta, state: 'ready', updatedAt: new Date().toISOString() };
         await this.writeMeta(ready); // its directory sync also makes the image's rename durable
         await fsyncDir(this.layout.volumesDir);
@@ -144,23 +152,37 @@ export class VolumeStore {
     });
   }
 
-  /** Deletes a volume; absent is success. Refused while any node has it published or staged. */
-  async delete(id: string): Promise<void> {
+  /**
+   * Deletes a volume; absent is success. Refused while any node has it published or staged, or while
+   * `inUseHere` (a look at this host) says its image is attached. A volume whose record cannot be read
+   * is quarantined, not deleted.
+   */
+  async delete(id: string, inUseHere?: (image: string) => Promise<string | undefined>): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'DeleteVolume', async () => {
       const dir = this.layout.volumeDir(id);
       if (!(await exists(dir))) return;
+      const record = await this.inspect(id);
+      if (record.state !== 'ok') {
+        // An unfinished creation goes; anything that may hold data is quarantined.
+        await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
+        return;
+      }
       const attachments = await this.attachments(id);
       if (attachments.length > 0) {
-        throw failedPrecondition(
+        throw conflict(
           `Volume ${id} is still published to node ${attachments.map((a) => a.node).join(', ')}; unpublish it first.`,
         );
       }
       const leases = await this.leases(id);
       if (leases.length > 0) {
-        throw failedPrecondition(
+        throw conflict(
           `Volume ${id} is still staged on node ${leases.map((l) => l.node).join(', ')}; unstage it first.`,
         );
+      }
+      const here = await inUseHere?.(this.layout.volumeImage(id));
+      if (here !== undefined) {
+        throw conflict(`Volume ${id} is still in use on this host (${here}); it was not deleted.`);
       }
       let promised = 0;
       try {
@@ -188,7 +210,9 @@ export class VolumeStore {
       const want = Math.min(LIST_BATCH, limit - volumes.length);
       const batch = ids.slice(i, i + want);
       i += batch.length;
-      for (const meta of await Promise.all(batch.map((id) => this.get(id)))) if (meta) volumes.push(meta);
+      for (const r of await Promise.all(batch.map((id) => this.inspect(id)))) {
+        if (r.state === 'ok' && r.value.state === 'ready') volumes.push(r.value);
+      }
     }
     const last = volumes.at(-1);
     return { volumes, next: i < ids.length && last ? last.id : undefined };
@@ -201,8 +225,22 @@ export class VolumeStore {
     for (const name of names) {
       const node = name.slice(0, -'.json'.length);
       if (!isNodeId(node)) continue;
-      const att = parseAttachment(await readJson(this.layout.attachment(id, node)));
-      if (att) out.push(att);
+      const r = await readRecord(this.layout.attachment(id, node), parseAttachment);
+      if (r.state === 'ok') out.push(r.value);
+      else if (r.state === 'damaged') {
+        // Unreadable: it still says the node may use the volume. Assume the most it could say.
+        this.log.error(
+          { volumeId: id, node, reason: r.reason },
+          'an attachment record cannot be read; treating it as a writer',
+        );
+        out.push({
+          node,
+          readonly: false,
+          accessType: 'mount',
+          mode: 'SINGLE_NODE_WRITER',
+          since: 'unknown (unreadable record)',
+        });
+      }
     }
     return out.sort((a, b) => a.node.localeCompare(b.node));
   }
@@ -219,7 +257,7 @@ export class VolumeStore {
       const same = current.find((a) => a.node === att.node);
       if (same) {
         if (same.readonly !== att.readonly || same.accessType !== att.accessType || same.mode !== att.mode) {
-          throw alreadyExists(
+          throw mismatch(
             `Volume ${id} is already published to node ${att.node} with ${describeAttachment(same)}, not ${describeAttachment(att)}.`,
           );
         }
@@ -229,14 +267,14 @@ export class VolumeStore {
       const shareable = (a: Attachment): boolean => isMultiNode(a.mode) && a.readonly;
       const blocking = current.find((other) => !(shareable(other) && shareable(att)));
       if (blocking) {
-        throw failedPrecondition(
+        throw conflict(
           `Volume ${id} is published to node ${blocking.node}; a single-node volume cannot be published to ${att.node} too.`,
         );
       }
       await this.pool.withLock(`node-${att.node}`, 'ControllerPublishVolume', async () => {
         const count = await this.countAttached(att.node, id);
         if (count >= maxVolumes) {
-          throw resourceExhausted(
+          throw noSpace(
             `Node ${att.node} already has ${count} volumes published, its limit of ${maxVolumes}; unpublish one first.`,
           );
         }
@@ -289,8 +327,23 @@ export class VolumeStore {
     for (const name of names) {
       const node = name.slice(0, -'.json'.length);
       if (!isNodeId(node)) continue;
-      const lease = parseLease(await readJson(this.layout.lease(id, node)));
-      if (lease) out.push(lease);
+      const r = await readRecord(this.layout.lease(id, node), parseLease);
+      if (r.state === 'ok') out.push(r.value);
+      else if (r.state === 'damaged') {
+        // Unreadable: the node may still have it staged. Assume it does, as a writer.
+        this.log.error(
+          { volumeId: id, node, reason: r.reason },
+          'a lease record cannot be read; treating it as held by a writer',
+        );
+        out.push({
+          node,
+          stagingPath: '',
+          accessType: 'mount',
+          mode: 'SINGLE_NODE_WRITER',
+          readonly: false,
+          since: 'unknown (unreadable record)',
+        });
+      }
     }
     return out;
   }
@@ -306,7 +359,7 @@ export class VolumeStore {
       const shareable = (l: Lease): boolean => isMultiNode(l.mode) && l.readonly;
       const blocking = all.find((l) => l.node !== lease.node && !(shareable(l) && shareable(lease)));
       if (blocking) {
-        throw failedPrecondition(
+        throw conflict(
           `Volume ${id} is staged on node ${blocking.node} since ${blocking.since}; it must be unstaged there (or unpublished from that node) before node ${lease.node} can stage it.`,
         );
       }
@@ -329,9 +382,11 @@ export class VolumeStore {
     });
   }
 
+  /** This node's lease on the volume; an unreadable one counts as none (it is this node's to rewrite). */
   async lease(id: string, node: string): Promise<Lease | undefined> {
     if (!isVolumeId(id)) return undefined;
-    return parseLease(await readJson(this.layout.lease(id, node)));
+    const r = await readRecord(this.layout.lease(id, node), parseLease);
+    return r.state === 'ok' ? r.value : undefined;
   }
 
   async dropLease(id: string, node: string): Promise<void> {
@@ -345,9 +400,21 @@ export class VolumeStore {
     return exists(this.layout.volumeInitialized(id));
   }
 
-  /** Records that the volume holds a filesystem or data, so it is never formatted again. */
-  async markInitialized(id: string, by: string): Promise<void> {
-    await createExclusive(this.layout.volumeInitialized(id), json({ by, at: new Date().toISOString() }));
+  /**
+   * Records that the volume holds a filesystem or data, so it is never formatted again. False when it
+   * was recorded already.
+   */
+  async markInitialized(id: string, by: string): Promise<boolean> {
+    return createExclusive(this.layout.volumeInitialized(id), json({ by, at: new Date().toISOString() }));
+  }
+
+  /**
+   * Runs `fn` holding the volume's format lock, which every node takes to decide whether to format it
+   * and to format it: two nodes staging a fresh volume at once never both run mkfs. mkfs takes time,
+   * so the lock is waited for longer than the short-step locks.
+   */
+  withFormatLock<T>(id: string, waitMs: number, fn: () => Promise<T>): Promise<T> {
+    return this.pool.withLock(`${id}.format`, 'format decision', fn, waitMs);
   }
 
   /** Runs `fn` on the current record under the volume's lock and stores what it returns. */

@@ -7,19 +7,18 @@ import { randomBytes } from 'node:crypto';
 import type * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { CsiError, aborted, unimplemented } from '../errors.js';
-import { CommandError, type RunOptions, type RunResult, type Runner, type RunScope } from '../exec/runner.js';
-import { requestRedactor } from '../csi/proto.js';
+import { CommandError, type Exec, type Runner } from '../exec/runner.js';
+import { requestRedactor } from './proto.js';
 import type { InFlight } from './inflight.js';
 import { codeName, toStatus } from './status.js';
 
-export interface CallContext extends RunScope {
+/** One call's context: its id and method, and an Exec whose commands obey its deadline and cancellation. */
+export interface CallContext extends Exec {
   readonly reqId: string;
   readonly method: string;
   readonly log: Logger;
   readonly signal: AbortSignal;
   readonly deadline: number;
-  /** Runs a command within this call's deadline and cancellation. */
-  run(command: string, args: readonly string[], options?: RunOptions): Promise<RunResult>;
 }
 
 export interface Prepared<Res> {
@@ -138,6 +137,7 @@ export function unaryHandler<Req, Res>(
       log,
       signal: controller.signal,
       deadline,
+      runner: deps.runner,
       run: (command, args, options) => deps.runner.run(ctx, command, args, options),
     };
     deps.tracker?.begin();

@@ -4,8 +4,8 @@
  * Everything else is INTERNAL with a generic message; its details go to the log only.
  */
 import { status as Code } from '@grpc/grpc-js';
-import { CommandError } from '../exec/runner.js';
-import { CsiError, type ErrorKind, isNoSpace } from '../errors.js';
+import { CallStopped, CommandError } from '../exec/runner.js';
+import { CsiError, type DomainKind, DomainError, type ErrorKind, isNoSpace } from '../errors.js';
 
 const KIND_TO_CODE: Record<ErrorKind, Code> = {
   invalid_argument: Code.INVALID_ARGUMENT,
@@ -22,6 +22,20 @@ const KIND_TO_CODE: Record<ErrorKind, Code> = {
   internal: Code.INTERNAL,
 };
 
+/** The pool's and host's own words → the code the CSI spec uses for them. */
+const DOMAIN_TO_CODE: Record<DomainKind, Code> = {
+  invalid: Code.INVALID_ARGUMENT,
+  not_found: Code.NOT_FOUND,
+  mismatch: Code.ALREADY_EXISTS,
+  conflict: Code.FAILED_PRECONDITION,
+  unsafe: Code.FAILED_PRECONDITION,
+  busy: Code.ABORTED,
+  no_space: Code.RESOURCE_EXHAUSTED,
+  out_of_range: Code.OUT_OF_RANGE,
+  unavailable: Code.UNAVAILABLE,
+  internal: Code.INTERNAL,
+};
+
 export interface MappedStatus {
   code: Code;
   message: string;
@@ -32,6 +46,22 @@ export interface MappedStatus {
 export function toStatus(err: unknown): MappedStatus {
   if (err instanceof CsiError) {
     return { code: KIND_TO_CODE[err.kind], message: err.message, unexpected: err.kind === 'internal' };
+  }
+  if (err instanceof DomainError) {
+    return { code: DOMAIN_TO_CODE[err.kind], message: err.message, unexpected: err.kind === 'internal' };
+  }
+  if (err instanceof CallStopped) {
+    return err.reason === 'cancelled'
+      ? {
+          code: Code.CANCELLED,
+          message: 'The call was cancelled; what it had done was undone.',
+          unexpected: false,
+        }
+      : {
+          code: Code.DEADLINE_EXCEEDED,
+          message: 'The call ran past its deadline; what it had done was undone.',
+          unexpected: false,
+        };
   }
   if (
     isNoSpace(err) ||

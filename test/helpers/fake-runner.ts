@@ -71,6 +71,7 @@ export function fakeContext(runner: Runner): CallContext {
     log: pino({ level: 'silent' }),
     signal: new AbortController().signal,
     deadline: Number.POSITIVE_INFINITY,
+    runner,
     run: (command, args, options) => runner.run(ctx, command, args, options),
   };
   return ctx;

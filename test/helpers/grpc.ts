@@ -1,6 +1,6 @@
 /** Promise-returning CSI clients over a real @grpc/grpc-js channel. */
 import * as grpc from '@grpc/grpc-js';
-import { csiProto } from '../../src/csi/proto.js';
+import { csiProto } from '../../src/server/proto.js';
 import type { ControllerClient } from '../../src/gen/csi/v1/Controller.js';
 import type { GroupControllerClient } from '../../src/gen/csi/v1/GroupController.js';
 import type { IdentityClient } from '../../src/gen/csi/v1/Identity.js';

@@ -5,7 +5,7 @@ import { Writable } from 'node:stream';
 import * as grpc from '@grpc/grpc-js';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
-import { csiProto } from '../../src/csi/proto.js';
+import { csiProto } from '../../src/server/proto.js';
 import { invalidArgument, notFound } from '../../src/errors.js';
 import { ExecRunner } from '../../src/exec/runner.js';
 import type { ControllerHandlers } from '../../src/gen/csi/v1/Controller.js';

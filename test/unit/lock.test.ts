@@ -66,28 +66,79 @@ describe('LockManager', () => {
     if (isHeld(c)) await c.release();
   });
 
-  it('judges a holder on another host by the age of its heartbeat', async () => {
+  const foreignOwner = (token = 't') => ({
+    host: 'elsewhere',
+    bootId: 'other-boot',
+    pidNs: 'x',
+    pid: 1,
+    start: '1',
+    token,
+    purpose: 'p',
+    since: '',
+  });
+  const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+  it('never judges another host by its clock: an old or future mtime is not staleness', async () => {
     const dir = await tempDir('lock3');
     dirs.push(dir);
     const file = path.join(dir, 'k.lock');
-    const foreign = {
-      host: 'elsewhere',
-      bootId: 'other-boot',
-      pidNs: 'x',
-      pid: 1,
-      start: '1',
-      token: 't',
-      purpose: 'p',
-      since: '',
-    };
-    await fs.writeFile(file, JSON.stringify(foreign));
-    const locks = new LockManager(dir, log);
-    expect(isHeld(await locks.tryAcquire('k', 'fresh'))).toBe(false);
+    await fs.writeFile(file, JSON.stringify(foreignOwner()));
+    // The holder's clock is two minutes behind ours: its fresh heartbeat looks old.
     const old = new Date(Date.now() - 120_000);
     await fs.utimes(file, old, old);
+    const locks = new LockManager(dir, log, { leaseMs: 400 });
+    expect(isHeld(await locks.tryAcquire('k', 'first look'))).toBe(false);
+    // It keeps beating, with its skewed clock: never taken over.
+    for (let i = 0; i < 6; i++) {
+      await sleep(100);
+      const t = new Date(Date.now() - 120_000 + i * 1000);
+      await fs.utimes(file, t, t);
+      expect(isHeld(await locks.tryAcquire('k', 'while it beats'))).toBe(false);
+    }
+    // It stops: once this process has seen no change for the lease, it is taken over.
+    await sleep(450);
     const got = await locks.tryAcquire('k', 'stale');
     expect(isHeld(got)).toBe(true);
     if (isHeld(got)) await got.release();
+  });
+
+  it('takes over a silent lock whose mtime lies in the future, after the lease by its own clock', async () => {
+    const dir = await tempDir('lock4');
+    dirs.push(dir);
+    const file = path.join(dir, 'k.lock');
+    await fs.writeFile(file, JSON.stringify(foreignOwner()));
+    const future = new Date(Date.now() + 3_600_000);
+    await fs.utimes(file, future, future);
+    const locks = new LockManager(dir, log, { leaseMs: 300 });
+    expect(isHeld(await locks.tryAcquire('k', 'first look'))).toBe(false);
+    await sleep(150);
+    expect(isHeld(await locks.tryAcquire('k', 'too soon'))).toBe(false);
+    await sleep(250);
+    const got = await locks.tryAcquire('k', 'stale');
+    expect(isHeld(got)).toBe(true);
+    if (isHeld(got)) await got.release();
+  });
+
+  it('a holder whose lock was taken over stops acting under it', async () => {
+    const dir = await tempDir('lock5');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
+    const got = await locks.tryAcquire('k', 'holder');
+    if (!isHeld(got)) throw new Error('not held');
+    expect(got.signal.aborted).toBe(false);
+    got.assertHeld();
+    // Another host broke it (say, after our process stalled) and wrote its own.
+    await fs.writeFile(path.join(dir, 'k.lock'), JSON.stringify(foreignOwner('theirs')));
+    for (let i = 0; i < 50 && !got.signal.aborted; i++) await sleep(20);
+    expect(got.signal.aborted).toBe(true);
+    expect(() => {
+      got.assertHeld();
+    }).toThrow(/lost its lock/);
+    await got.release();
+    // Their lock stays theirs.
+    expect(JSON.parse(await fs.readFile(path.join(dir, 'k.lock'), 'utf8'))).toMatchObject({
+      token: 'theirs',
+    });
   });
 
   it('refuses keys that are not safe file names', async () => {

@@ -1,6 +1,8 @@
 /** The node's decisions, with a scripted runner instead of the kernel: format or not, and error paths. */
 import { describe, expect, it } from 'vitest';
-import { decideFormat, loopOfMount, stageMountOptions } from '../../src/csi/node.js';
+import { decideFormat } from '../../src/node/format.js';
+import { loopOfMount } from '../../src/node/on-host.js';
+import { stageMountOptions } from '../../src/node/stage.js';
 import {
   checkFilesystem,
   formatDevice,
@@ -10,7 +12,8 @@ import {
   probeDevice,
 } from '../../src/host/filesystem.js';
 import { parseMountInfo } from '../../src/host/mounts.js';
-import { CsiError } from '../../src/errors.js';
+import { DomainError } from '../../src/errors.js';
+import { codeName, toStatus } from '../../src/server/status.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
 
 const DEV = '/dev/loop7';
@@ -108,8 +111,8 @@ describe('checkFilesystem', () => {
   it('refuses to mount when e2fsck cannot repair unattended', async () => {
     const runner = new ScriptedRunner([{ command: 'e2fsck', exitCode: 4 }]);
     const err = await checkFilesystem(fakeContext(runner), 'ext4', DEV).catch((e: unknown) => e);
-    expect(err).toBeInstanceOf(CsiError);
-    expect((err as CsiError).kind).toBe('failed_precondition');
+    expect(err).toBeInstanceOf(DomainError);
+    expect(codeName(toStatus(err).code)).toBe('FAILED_PRECONDITION');
   });
   it('runs nothing for xfs and btrfs', async () => {
     const runner = new ScriptedRunner([]);
@@ -176,6 +179,7 @@ describe('mounts', () => {
         path: '/dev/loop3',
         majorMinor: '7:3',
         backingFile: '/p/a',
+        backing: undefined,
         readOnly: false,
         directIo: true,
         sizeBytes: 1,
@@ -185,6 +189,7 @@ describe('mounts', () => {
         path: '/dev/loop4',
         majorMinor: '7:4',
         backingFile: '/p/b',
+        backing: undefined,
         readOnly: true,
         directIo: true,
         sizeBytes: 1,

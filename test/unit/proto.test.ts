@@ -2,7 +2,7 @@ import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { REDACTED, requestRedactor, secretFields } from '../../src/csi/proto.js';
+import { REDACTED, requestRedactor, secretFields } from '../../src/server/proto.js';
 import { REPO, tempDir } from '../helpers/driver.js';
 
 const dirs: string[] = [];

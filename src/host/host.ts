@@ -1,0 +1,156 @@
+/**
+ * The node's kernel, as the node algorithms see it: loop devices, the mount table, mounting and
+ * unmounting, filesystems on devices, freezing, and the few path operations a publish or an unpublish
+ * makes. `kernelHost` is the real one; tests of the algorithms use a fake behind the same interface
+ * (test/helpers/fake-host.ts), in the spirit of mount-utils' Interface.
+ *
+ * Every method that runs a command takes the caller's Exec, so commands obey its deadline and
+ * cancellation (or, for cleanup, a detached scope of their own).
+ */
+import type { Exec } from '../exec/runner.js';
+import type { FsType } from '../pool/types.js';
+import {
+  checkFilesystem,
+  type DeviceContent,
+  filesystemSize,
+  filesystemUsage,
+  flushDeviceBuffers,
+  formatDevice,
+  growExt4Offline,
+  growOnline,
+  mountedFilesystemSize,
+  probeDevice,
+  type Usage,
+} from './filesystem.js';
+import { freeze, thaw, thawDevice } from './freeze.js';
+import {
+  type AttachOptions,
+  attachLoop,
+  backingName,
+  detachLoop,
+  listLoops,
+  type LoopDevice,
+  refreshLoopSize,
+} from './loop.js';
+import {
+  bindMount,
+  type MountEntry,
+  type MountRequest,
+  mountFilesystem,
+  readMounts,
+  remountBind,
+  unmountAll,
+} from './mounts.js';
+import {
+  canonicalPath,
+  createFile,
+  type FileId,
+  fileId,
+  fileSize,
+  isClaimed,
+  makeDir,
+  type PathKind,
+  pathKind,
+  removeCreated,
+  sameFile,
+} from './paths.js';
+
+export type { DeviceContent, FileId, LoopDevice, MountEntry, MountRequest, PathKind, Usage };
+
+export interface Host {
+  // Paths
+  fileId(p: string): Promise<FileId | undefined>;
+  fileSizeOf(p: string): Promise<number>;
+  canonicalPath(p: string): Promise<string>;
+  pathKind(p: string): Promise<PathKind>;
+  makeDir(p: string): Promise<void>;
+  /** Creates an empty file unless something is there; true when it made it. */
+  createFile(p: string): Promise<boolean>;
+  /** Removes an empty directory or empty file the driver made; anything else is a conflict, left in place. */
+  removeCreated(p: string): Promise<'removed' | 'absent'>;
+
+  // Loop devices
+  /** Attached loop devices; those `identify` picks carry their backing file's device and inode. */
+  loops(x: Exec, identify?: (l: LoopDevice) => boolean): Promise<LoopDevice[]>;
+  attach(x: Exec, image: string, id: FileId | undefined, opts: AttachOptions): Promise<LoopDevice>;
+  /** False when the device stays attached until its last user closes it. */
+  detach(x: Exec, loop: LoopDevice): Promise<boolean>;
+  refreshSize(x: Exec, loop: LoopDevice): Promise<LoopDevice>;
+  /** True when a filesystem holds the device, mounted here or not. */
+  claimed(device: string): Promise<boolean>;
+
+  // The mount table
+  mounts(): Promise<MountEntry[]>;
+  mount(x: Exec, m: MountRequest): Promise<void>;
+  bind(x: Exec, source: string, target: string, options: readonly string[]): Promise<void>;
+  remountBind(x: Exec, target: string, options: readonly string[]): Promise<void>;
+  /** Unmounts everything stacked on `mountPoint`; returns the table afterwards. */
+  unmountAll(x: Exec, mountPoint: string, table?: MountEntry[]): Promise<MountEntry[]>;
+
+  // Filesystems on devices
+  probe(x: Exec, device: string): Promise<DeviceContent>;
+  format(x: Exec, fsType: FsType, device: string): Promise<void>;
+  check(x: Exec, fsType: FsType, device: string): Promise<void>;
+  flush(x: Exec, device: string): Promise<void>;
+  filesystemSize(fsType: FsType, device: string): Promise<number | undefined>;
+  mountedFilesystemSize(
+    x: Exec,
+    fsType: FsType,
+    device: string,
+    mountPoint: string,
+  ): Promise<number | undefined>;
+  growOffline(x: Exec, device: string): Promise<void>;
+  growOnline(x: Exec, fsType: FsType, device: string, mountPoint: string): Promise<void>;
+  usage(mountPoint: string): Promise<Usage>;
+
+  // Freezing
+  freeze(x: Exec, mountPoint: string): Promise<void>;
+  /** True when it was frozen. */
+  thaw(x: Exec, mountPoint: string): Promise<boolean>;
+  /** Thaws the filesystem on `device` through any mount of it; undefined when none is left. */
+  thawDevice(x: Exec, device: string, table?: readonly MountEntry[]): Promise<boolean | undefined>;
+}
+
+export const kernelHost: Host = {
+  fileId,
+  fileSizeOf: fileSize,
+  canonicalPath,
+  pathKind,
+  makeDir,
+  createFile,
+  removeCreated,
+  loops: listLoops,
+  attach: attachLoop,
+  detach: detachLoop,
+  refreshSize: refreshLoopSize,
+  claimed: isClaimed,
+  mounts: readMounts,
+  mount: mountFilesystem,
+  bind: bindMount,
+  remountBind,
+  unmountAll,
+  probe: probeDevice,
+  format: formatDevice,
+  check: (x, fsType, device) => checkFilesystem(x, fsType, device),
+  flush: flushDeviceBuffers,
+  filesystemSize,
+  mountedFilesystemSize,
+  growOffline: growExt4Offline,
+  growOnline,
+  usage: filesystemUsage,
+  freeze,
+  thaw,
+  thawDevice,
+};
+
+/**
+ * The loop devices on this host backed by `file` (by device and inode; by path when the identity of
+ * a device cannot be read). Empty when the file does not exist.
+ */
+export async function loopsBackedBy(host: Host, x: Exec, file: string): Promise<LoopDevice[]> {
+  const id = await host.fileId(file);
+  if (!id) return [];
+  const name = file.slice(file.lastIndexOf('/') + 1);
+  const loops = await host.loops(x, (l) => backingName(l) === name);
+  return loops.filter((l) => (l.backing ? sameFile(l.backing, id) : l.backingFile === file));
+}

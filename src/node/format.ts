@@ -1,0 +1,140 @@
+/**
+ * The one step that can destroy data: deciding whether a device gets a new filesystem, and making it.
+ *
+ * Rules: blkid -p always decides (never a guess from the image's allocated blocks: some pool
+ * filesystems report none for files that hold data); a device is formatted only when it holds no
+ * signature at all *and* the volume was never initialized (the pool's `initialized` marker is the
+ * second guard); another filesystem or a partition table is refused untouched. The decision and the
+ * mkfs run under the volume's format lock, held across hosts, so two nodes staging a fresh volume at
+ * once never both format it: the second one finds the marker and the filesystem, and keeps it.
+ */
+import { unsafe } from '../errors.js';
+import { CommandError, type Exec } from '../exec/runner.js';
+import { failpoint } from '../failpoints.js';
+import type { DeviceContent, LoopDevice } from '../host/host.js';
+import { type Capability, type FsType, isFsType, type VolumeMeta } from '../pool/types.js';
+import type { NodeDeps } from './on-host.js';
+
+export type FormatDecision =
+  | { action: 'format'; fsType: FsType }
+  | { action: 'keep'; fsType: FsType }
+  | { action: 'refuse'; reason: string };
+
+/**
+ * Whether to format a device. Format only a device with no signature at all that was never
+ * initialized; keep the filesystem that is there when it is the one asked for (or when none was asked
+ * for explicitly); refuse everything else, touching nothing.
+ */
+export function decideFormat(
+  content: DeviceContent,
+  initialized: boolean,
+  requestedFs: string,
+  volumeFs: FsType,
+): FormatDecision {
+  const wanted: FsType = isFsType(requestedFs) ? requestedFs : volumeFs;
+  switch (content.kind) {
+    case 'blank':
+      return initialized
+        ? {
+            action: 'refuse',
+            reason:
+              'holds data but no filesystem signature (it was formatted or used as a raw device before); it was not formatted.',
+          }
+        : { action: 'format', fsType: wanted };
+    case 'filesystem':
+      if (content.type === wanted) return { action: 'keep', fsType: wanted };
+      if (requestedFs === '' && isFsType(content.type)) return { action: 'keep', fsType: content.type };
+      return {
+        action: 'refuse',
+        reason: `holds a ${content.type} filesystem, not ${wanted}; it was left untouched.`,
+      };
+    case 'other':
+      return { action: 'refuse', reason: `holds ${content.what}; it was left untouched.` };
+  }
+}
+
+/** How long a stage waits for another node that is formatting the same volume. */
+const FORMAT_LOCK_WAIT_MS = 120_000;
+
+export interface PreparedFilesystem {
+  fsType: FsType;
+  /** The device to mount: a read-only staging formats through a read-write attachment, then re-attaches. */
+  loop: LoopDevice;
+  formatted: boolean;
+}
+
+/**
+ * Makes sure `loop` holds the volume's filesystem: keeps the one there, or formats a blank, never
+ * initialized device. `attach` makes a new attachment of the image (for formatting a read-only staging).
+ */
+export async function prepareFilesystem(
+  d: NodeDeps,
+  x: Exec,
+  vol: VolumeMeta,
+  cap: Capability,
+  loop: LoopDevice,
+  attach: (readOnly: boolean) => Promise<LoopDevice>,
+): Promise<PreparedFilesystem> {
+  const waitMs = Math.max(
+    1_000,
+    Math.min(FORMAT_LOCK_WAIT_MS, (x.deadline ?? Infinity) - Date.now() - 5_000),
+  );
+  return d.volumes.withFormatLock(vol.id, waitMs, async () => {
+    const initialized = await d.volumes.isInitialized(vol.id);
+    // Another node may have formatted it while this one waited: read the disk, not what was cached.
+    await d.host.flush(x, loop.path);
+    const content = await d.host.probe(x, loop.path);
+    const decision = decideFormat(content, initialized, cap.fsType, vol.fsType);
+    if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
+    if (decision.action === 'keep') {
+      if (!initialized)
+        await d.volumes.markInitialized(vol.id, `node ${d.nodeId} (found ${decision.fsType})`);
+      return { fsType: decision.fsType, loop, formatted: false };
+    }
+    return {
+      fsType: decision.fsType,
+      loop: await formatBlank(d, x, vol.id, loop, decision.fsType, attach),
+      formatted: true,
+    };
+  });
+}
+
+/** Formats a blank device, attaching it read-write for the purpose when it is staged read-only. */
+async function formatBlank(
+  d: NodeDeps,
+  x: Exec,
+  id: string,
+  loop: LoopDevice,
+  fsType: FsType,
+  attach: (readOnly: boolean) => Promise<LoopDevice>,
+): Promise<LoopDevice> {
+  let target = loop;
+  if (loop.readOnly) {
+    await d.host.detach(x, loop);
+    target = await attach(false);
+  }
+  try {
+    await d.host.format(x, fsType, target.path);
+  } catch (err) {
+    if (err instanceof CommandError && /contains|existing|appears to/i.test(err.stderr)) {
+      throw unsafe(
+        `mkfs found existing data on volume ${id} and refused to format it: ${err.lastStderrLine}`,
+        err,
+      );
+    }
+    throw err;
+  }
+  failpoint('stage:formatted');
+  if (!(await d.volumes.markInitialized(id, `node ${d.nodeId} (mkfs.${fsType})`))) {
+    x.log.error(
+      { volumeId: id },
+      'the volume was marked initialized by someone who did not hold its format lock',
+    );
+  }
+  x.log.info({ device: target.path, fsType }, 'formatted a blank volume');
+  if (loop.readOnly) {
+    await d.host.detach(x, target);
+    target = await attach(true);
+  }
+  return target;
+}

@@ -1,0 +1,95 @@
+/**
+ * NodeExpandVolume, and growing a mounted filesystem to its device: growth is verified (the filesystem
+ * must report the device's size and statfs must show more space), never assumed from a tool's exit.
+ */
+import path from 'node:path';
+import { broken, conflict, missing } from '../errors.js';
+import type { Exec } from '../exec/runner.js';
+import { growthSlack, OnlineGrowthUnsupported } from '../host/filesystem.js';
+import type { LoopDevice } from '../host/host.js';
+import { isReadOnlyMount } from '../host/mounts.js';
+import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
+import {
+  callerPath,
+  isDeviceBind,
+  loopOfMount,
+  lookAtHost,
+  mustGetVolume,
+  type NodeDeps,
+} from './on-host.js';
+
+/** Grows a mounted xfs/btrfs (or ext4 where allowed) filesystem to its device and checks that it did. */
+export async function growMounted(
+  d: NodeDeps,
+  x: Exec,
+  fsType: FsType,
+  loop: LoopDevice,
+  mountPoint: string,
+): Promise<void> {
+  const fills = (n: number | undefined): boolean =>
+    n !== undefined && n >= loop.sizeBytes - growthSlack(loop.sizeBytes);
+  if (fills(await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint))) return;
+  const before = (await d.host.usage(mountPoint)).totalBytes;
+  await d.host.growOnline(x, fsType, loop.path, mountPoint);
+  const size = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
+  const after = (await d.host.usage(mountPoint)).totalBytes;
+  if (!fills(size) || after <= before) {
+    throw broken(
+      `Growing the ${fsType} filesystem on ${loop.path} did not take effect (device ${loop.sizeBytes} bytes, filesystem ${size ?? 'unreadable'}, statfs ${before} → ${after}).`,
+    );
+  }
+  x.log.info({ device: loop.path, fsType, from: before, to: after }, 'grew mounted filesystem');
+}
+
+export interface ExpandRequest {
+  id: string;
+  volumePath: string;
+  requiredBytes: number;
+}
+
+/** Refreshes the loop devices of the volume to the image's size and grows the filesystem at `volumePath`. */
+export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Promise<number> {
+  await mustGetVolume(d, r.id);
+  if (!path.isAbsolute(r.volumePath)) throw missing(`Volume ${r.id} is not published at ${r.volumePath}.`);
+  const p = await callerPath(d, r.volumePath, 'volume_path');
+  const on = await lookAtHost(d, x, r.id);
+  const top = on.mounts.filter((m) => m.mountPoint === p).at(-1);
+  const loop = top ? loopOfMount(top, on.loops) : undefined;
+  if (!top || !loop) throw missing(`Volume ${r.id} is not staged or published at ${r.volumePath}.`);
+  let size = loop.sizeBytes;
+  for (const l of on.loops) {
+    const refreshed = await d.host.refreshSize(x, l);
+    if (l.name === loop.name) size = refreshed.sizeBytes;
+  }
+  if (r.requiredBytes > 0 && size < r.requiredBytes) {
+    throw conflict(
+      `The disk image of volume ${r.id} is ${size} bytes, less than the ${r.requiredBytes} asked for; expand it with ControllerExpandVolume first.`,
+    );
+  }
+  if (isDeviceBind(top)) return size;
+  const fsType = top.fsType;
+  if (!isFsType(fsType)) {
+    throw conflict(
+      `${r.volumePath} holds ${fsType}, which this driver does not grow (it knows ${FS_TYPES.join(', ')}).`,
+    );
+  }
+  if (isReadOnlyMount(top)) {
+    const fsSize = await d.host.mountedFilesystemSize(x, fsType, loop.path, p);
+    if (fsSize !== undefined && fsSize >= size - growthSlack(size)) return size;
+    throw conflict(
+      `Volume ${r.id} is mounted read-only here; its filesystem will be grown when it is next staged read-write.`,
+    );
+  }
+  try {
+    await growMounted(d, x, fsType, { ...loop, sizeBytes: size }, p);
+  } catch (err) {
+    if (err instanceof OnlineGrowthUnsupported) {
+      throw conflict(
+        `Cannot grow volume ${r.id} while it is mounted: ${err.message}. The filesystem will be grown when the volume is next staged (restart the pod).`,
+        err,
+      );
+    }
+    throw err;
+  }
+  return size;
+}

@@ -1,0 +1,166 @@
+/**
+ * What the node algorithms share: their dependencies, and how a volume is found on this host.
+ *
+ * The host is the truth: every call looks at the mount table and the loop devices, so a restarted
+ * plugin answers correctly and can tear down what its predecessor set up. A loop device belongs to a
+ * volume when it is backed by the volume's image, judged by device and inode; the path the kernel
+ * shows for the backing file is only a hint (it is the attaching process's view, which a replaced
+ * container no longer shares), used alone only when the identity cannot be read.
+ */
+import path from 'node:path';
+import { conflict, invalid, missing } from '../errors.js';
+import type { Exec } from '../exec/runner.js';
+import { type FileId, type Host, type LoopDevice, type MountEntry } from '../host/host.js';
+import { backingName } from '../host/loop.js';
+import { sameFile } from '../host/paths.js';
+import { isVolumeId } from '../pool/ids.js';
+import { IMAGE_FILE } from '../pool/layout.js';
+import type { NodeRegistry } from '../pool/nodes.js';
+import { isReaderOnly, type Lease, type VolumeMeta } from '../pool/types.js';
+import type { VolumeStore } from '../pool/volumes.js';
+
+export interface NodeDeps {
+  nodeId: string;
+  poolName: string;
+  maxVolumesPerNode: number;
+  loopDirectIo: boolean;
+  volumes: VolumeStore;
+  nodes: NodeRegistry;
+  host: Host;
+  /** The pool's real path: no staging or target path may lie inside it. */
+  poolRoot: string;
+}
+
+/** A volume as this host has it: its image, the loop devices backed by it, and the mount table. */
+export interface OnHost {
+  id: string;
+  image: string;
+  /** The image's identity; undefined when the image is not there (deleted, or the pool is not mounted). */
+  imageId: FileId | undefined;
+  loops: LoopDevice[];
+  mounts: MountEntry[];
+}
+
+/**
+ * True when the sysfs path of `l`'s backing file names volume `id`'s image, from whatever root: in
+ * volumes/, or on its way out (trash/, quarantine/) while still attached.
+ */
+function pathNames(l: LoopDevice, id: string): boolean {
+  const shown = l.backingFile.replace(/ \(deleted\)$/, '');
+  const dir = path.basename(path.dirname(shown));
+  const parent = path.basename(path.dirname(path.dirname(shown)));
+  if (path.basename(shown) !== IMAGE_FILE) return false;
+  return (
+    (parent === 'volumes' && dir === id) ||
+    ((parent === 'trash' || parent === 'quarantine') && dir.startsWith(`${id}.`))
+  );
+}
+
+export function isBackedBy(l: LoopDevice, id: string, imageId: FileId | undefined): boolean {
+  if (imageId !== undefined && l.backing !== undefined) return sameFile(l.backing, imageId);
+  return pathNames(l, id);
+}
+
+export async function lookAtHost(d: NodeDeps, x: Exec, id: string): Promise<OnHost> {
+  const image = d.volumes.imagePath(id);
+  const [imageId, loops, mounts] = await Promise.all([
+    d.host.fileId(image),
+    d.host.loops(x, (l) => backingName(l) === IMAGE_FILE),
+    d.host.mounts(),
+  ]);
+  return { id, image, imageId, loops: loops.filter((l) => isBackedBy(l, id, imageId)), mounts };
+}
+
+/** The loop device a mount shows: a filesystem on /dev/loopN, or a bind of the device node itself. */
+export function loopOfMount(m: MountEntry, loops: readonly LoopDevice[]): LoopDevice | undefined {
+  if (/^\/dev\/loop\d+$/.test(m.source)) return loops.find((l) => l.path === m.source);
+  if (/^\/loop\d+$/.test(m.root)) return loops.find((l) => l.name === m.root.slice(1));
+  return undefined;
+}
+
+export const isDeviceBind = (m: MountEntry): boolean => /^\/loop\d+$/.test(m.root);
+
+export const isLoopMount = (m: MountEntry): boolean => /^\/dev\/loop\d+$/.test(m.source) || isDeviceBind(m);
+
+export const mountsOf = (table: readonly MountEntry[], loops: readonly LoopDevice[]): MountEntry[] =>
+  table.filter((m) => loopOfMount(m, loops) !== undefined);
+
+/** The loop device staged for a volume: the one its staging mount shows, or (block) the one matching the lease. */
+export function stagingLoop(
+  loops: readonly LoopDevice[],
+  lease: Lease | undefined,
+  mounts: readonly MountEntry[],
+): LoopDevice | undefined {
+  if (!lease) return undefined;
+  if (lease.accessType === 'mount') {
+    const top = mounts.filter((m) => m.mountPoint === lease.stagingPath).at(-1);
+    return top ? loops.find((l) => l.path === top.source) : undefined;
+  }
+  if (lease.device !== undefined) return loops.find((l) => l.name === lease.device);
+  return loops.find((l) => l.readOnly === isReaderOnly(lease.mode));
+}
+
+/**
+ * Loop devices of the volume that belong to other nodes' stagings. Only several node plugins sharing
+ * one host (a test rig, or a pool tried out on one machine) ever see them; they are never reused, and
+ * never detached, by this node.
+ */
+export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>> {
+  const others = new Set<string>();
+  if (on.loops.length === 0) return others;
+  for (const l of await d.volumes.leases(on.id)) {
+    if (l.node === d.nodeId) continue;
+    const theirs = stagingLoop(on.loops, l, on.mounts);
+    if (theirs) others.add(theirs.name);
+  }
+  return others;
+}
+
+/**
+ * The canonical form of a staging or target path the CO gave. Refused (INVALID_ARGUMENT) when it is
+ * the root, lies in the pool, or holds the pool: a mount there would hand a pod the pool's own files,
+ * and an unmount or removal there could take them away.
+ */
+export async function callerPath(d: NodeDeps, p: string, field: string): Promise<string> {
+  const real = await d.host.canonicalPath(p);
+  const root = d.poolRoot;
+  if (real === '/' || real === root || real.startsWith(`${root}/`) || root.startsWith(`${real}/`)) {
+    throw invalid(
+      `${field} ${p} is the root, the pool, or a directory holding the pool; the driver never mounts or removes anything there.`,
+    );
+  }
+  return real;
+}
+
+/**
+ * Whether the last component of the path the CO gave is a symlink: such a path is never the driver's
+ * (it creates directories and empty files), and removing what it resolves to would remove another file.
+ */
+export async function isSymlinkPath(d: NodeDeps, p: string): Promise<boolean> {
+  return (await d.host.pathKind(path.normalize(p))) === 'symlink';
+}
+
+export async function mustGetVolume(d: NodeDeps, id: string): Promise<VolumeMeta> {
+  const meta = isVolumeId(id) ? await d.volumes.get(id) : undefined;
+  if (!meta) throw missing(`Volume ${id} does not exist.`);
+  return meta;
+}
+
+/**
+ * Splits the mounts at `p` into this volume's and others'. Something else mounted where the CO says
+ * this volume is (a foreign filesystem, or a loop device of another image) is never unmounted, and
+ * never answered with success either: the caller reports it.
+ */
+export function classifyAt(on: OnHost, p: string, loops: readonly LoopDevice[] = on.loops) {
+  const here = on.mounts.filter((m) => m.mountPoint === p);
+  const ours = here.filter((m) => loopOfMount(m, loops) !== undefined);
+  const foreign = here.filter((m) => loopOfMount(m, loops) === undefined);
+  return { here, ours, foreign };
+}
+
+export function foreignMountError(on: OnHost, p: string, field: string, foreign: readonly MountEntry[]) {
+  const what = foreign.map((m) => `${m.source} (${m.fsType})`).join(', ');
+  return conflict(
+    `${field} ${p} holds a mount of ${what}, which is not volume ${on.id}; it was left in place. Unmount it by hand if it is a leftover.`,
+  );
+}

@@ -1,0 +1,236 @@
+/**
+ * NodePublishVolume and NodeUnpublishVolume: a bind mount of the staged filesystem at the pod's target
+ * (block: of the loop device node onto a file), and undoing exactly that.
+ *
+ * A publish keeps the staging mount's security flags (nosuid, nodev, noexec) and adds its own
+ * per-mount flags; a read-only publish is checked in the mount table (the kernel must show it). An
+ * unpublish unmounts only this volume's mounts and removes only what a publish creates: an empty
+ * directory, or the empty file a block volume is bound onto.
+ */
+import path from 'node:path';
+import { broken, conflict, invalid, mismatch, missing } from '../errors.js';
+import { checkpoint, CommandError, detached, type Exec } from '../exec/runner.js';
+import type { LoopDevice, MountEntry } from '../host/host.js';
+import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
+import { isVolumeId } from '../pool/ids.js';
+import { type AccessMode, type Capability, isReaderOnly } from '../pool/types.js';
+import {
+  callerPath,
+  classifyAt,
+  foreignMountError,
+  isDeviceBind,
+  isSymlinkPath,
+  loopOfMount,
+  lookAtHost,
+  mustGetVolume,
+  type NodeDeps,
+  othersLoops,
+  stagingLoop,
+} from './on-host.js';
+import { detachUnused } from './unstage.js';
+
+/** Access modes that allow the volume at more than one target on this node (spec NodePublishVolume table). */
+const manyTargets = (mode: AccessMode): boolean =>
+  mode === 'SINGLE_NODE_MULTI_WRITER' || mode === 'MULTI_NODE_READER_ONLY';
+
+/** Per-mount flags: what a bind mount can carry (the rest of a filesystem's options belong to the stage). */
+const PER_MOUNT_FLAGS = new Set([
+  'nosuid',
+  'nodev',
+  'noexec',
+  'noatime',
+  'nodiratime',
+  'relatime',
+  'strictatime',
+  'nosymfollow',
+]);
+/** Flags a publish inherits from its staging mount: dropping one would loosen what the stage promised. */
+const SECURITY_FLAGS = ['nosuid', 'nodev', 'noexec'];
+
+/**
+ * The options of a publish's bind mount: read-only when asked, the staging mount's security flags,
+ * and the publish's own per-mount flags.
+ */
+export function bindOptions(
+  readOnly: boolean,
+  staged: MountEntry | undefined,
+  publishFlags: readonly string[],
+): string[] {
+  const opts: string[] = [];
+  if (readOnly || publishFlags.includes('ro')) opts.push('ro');
+  for (const f of SECURITY_FLAGS) if (staged?.options.includes(f)) opts.push(f);
+  for (const f of publishFlags) if (PER_MOUNT_FLAGS.has(f)) opts.push(f);
+  return [...new Set(opts)];
+}
+
+export interface PublishRequest {
+  id: string;
+  staging: string;
+  target: string;
+  cap: Capability;
+  readonly: boolean;
+}
+
+type Undo = (x: Exec) => Promise<unknown>;
+
+export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Promise<void> {
+  await mustGetVolume(d, r.id);
+  const staging = await callerPath(d, r.staging, 'staging_target_path');
+  const target = await callerPath(d, r.target, 'target_path');
+  if (await isSymlinkPath(d, r.target))
+    throw invalid(`target_path ${r.target} is a symbolic link; the driver publishes on a path it creates.`);
+  const on = await lookAtHost(d, x, r.id);
+  const lease = await d.volumes.lease(r.id, d.nodeId);
+  const staged = stagingLoop(on.loops, lease, on.mounts);
+  if (!lease || lease.stagingPath !== staging || !staged) {
+    throw conflict(`Volume ${r.id} is not staged at ${staging} on this node; call NodeStageVolume first.`);
+  }
+  if (lease.accessType !== r.cap.accessType) {
+    throw conflict(`Volume ${r.id} is staged for ${lease.accessType} access, not ${r.cap.accessType}.`);
+  }
+  const isBlock = r.cap.accessType === 'block';
+  const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+  const readOnly =
+    r.readonly ||
+    isReaderOnly(r.cap.mode) ||
+    r.cap.mountFlags.includes('ro') ||
+    (stagedMount !== undefined && isReadOnlyMount(stagedMount));
+  const options = bindOptions(readOnly, stagedMount, r.cap.mountFlags);
+
+  // Already published at this target?
+  const existing = on.mounts.filter((m) => m.mountPoint === target).at(-1);
+  if (existing) {
+    const loop = loopOfMount(existing, on.loops);
+    if (!loop || isDeviceBind(existing) !== isBlock) {
+      throw conflict(`${target} already has a mount of ${existing.source} that is not volume ${r.id}.`);
+    }
+    if (isReadOnlyMount(existing) !== readOnly) {
+      throw mismatch(
+        `Volume ${r.id} is already published at ${target} ${isReadOnlyMount(existing) ? 'read-only' : 'read-write'}.`,
+      );
+    }
+    return;
+  }
+  if (!manyTargets(r.cap.mode)) {
+    const other = on.mounts.find(
+      (m) => m.mountPoint !== staging && m.mountPoint !== target && loopOfMount(m, on.loops),
+    );
+    if (other)
+      throw conflict(
+        `Volume ${r.id} (${r.cap.mode}) is already published at ${other.mountPoint} on this node.`,
+      );
+  }
+
+  const undo: Undo[] = [];
+  try {
+    await d.host.makeDir(path.dirname(target));
+    let source = staging;
+    if (isBlock) {
+      if (await d.host.createFile(target)) undo.push(() => d.host.removeCreated(target));
+      else {
+        const kind = await d.host.pathKind(target);
+        if (kind === 'directory')
+          throw conflict(`${target} is a directory; a block volume is published on a file.`);
+        if (kind !== 'empty-file')
+          throw conflict(
+            `${target} is not an empty file; a block volume is published on an empty file the driver creates.`,
+          );
+      }
+      // A read-only bind of a device node does not stop writes: publish a read-only loop device.
+      let device: LoopDevice = staged;
+      if (readOnly && !staged.readOnly) {
+        device = await d.host.attach(x, on.image, on.imageId, { readOnly: true, directIo: d.loopDirectIo });
+        const extra = device;
+        undo.push((cx) => d.host.detach(cx, extra));
+      }
+      source = device.path;
+    } else if ((await d.host.pathKind(target)) === 'absent') {
+      await d.host.makeDir(target);
+      undo.push(() => d.host.removeCreated(target));
+    }
+    await d.host.bind(x, source, target, options);
+    undo.push((cx) => d.host.unmountAll(cx, target));
+    await checkBindFlags(d, x, r.id, target, options);
+    checkpoint(x);
+    x.log.info({ target, readOnly, block: isBlock, options }, 'published volume');
+  } catch (err) {
+    const cx = detached(x);
+    for (const step of undo.reverse()) {
+      await step(cx).catch((e: unknown) => {
+        x.log.error({ err: e }, 'rollback step failed');
+      });
+    }
+    if (err instanceof CommandError) {
+      const why = mountErrorLine(err);
+      throw broken(`Bind-mounting volume ${r.id} at ${target} failed${why ? `: ${why}` : ''}.`, err);
+    }
+    throw err;
+  }
+}
+
+/**
+ * Read-only and the security flags are promises to the pod: check the kernel kept them (older
+ * util-linux drops flags a bind mount does not repeat), and remount the bind with all of them if not.
+ */
+async function checkBindFlags(
+  d: NodeDeps,
+  x: Exec,
+  id: string,
+  target: string,
+  options: readonly string[],
+): Promise<void> {
+  const wanted = options.filter((o) => o === 'ro' || SECURITY_FLAGS.includes(o));
+  if (wanted.length === 0) return;
+  const shown = (await d.host.mounts()).filter((m) => m.mountPoint === target).at(-1);
+  if (!shown) throw broken(`The bind mount of volume ${id} at ${target} did not appear in the mount table.`);
+  if (wanted.every((o) => shown.options.includes(o))) return;
+  await d.host.remountBind(x, target, options);
+  const again = (await d.host.mounts()).filter((m) => m.mountPoint === target).at(-1);
+  const lacking = wanted.filter((o) => !again?.options.includes(o));
+  if (lacking.length > 0)
+    throw broken(
+      `The kernel did not keep ${lacking.join(',')} on the bind mount of volume ${id} at ${target}.`,
+    );
+}
+
+export interface UnpublishRequest {
+  id: string;
+  target: string;
+}
+
+export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest): Promise<void> {
+  if (!isVolumeId(r.id)) throw missing(`Volume ${r.id} does not exist.`);
+  const target = await callerPath(d, r.target, 'target_path');
+  const symlink = await isSymlinkPath(d, r.target);
+  const on = await lookAtHost(d, x, r.id);
+  const known = (await d.volumes.inspect(r.id)).state !== 'absent';
+  const { ours, foreign } = symlink ? { ours: [], foreign: [] } : classifyAt(on, target);
+  if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
+  let table = on.mounts;
+  if (ours.length > 0) {
+    table = await d.host.unmountAll(x, target, on.mounts);
+    if (table.some((m) => m.mountPoint === target))
+      throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
+  }
+  const present = ours.length > 0 || (await d.host.pathKind(path.normalize(r.target))) !== 'absent';
+  if (!known && !present) throw missing(`Volume ${r.id} does not exist.`);
+  if (symlink)
+    throw conflict(
+      `target_path ${r.target} is a symbolic link, which the driver never creates; it was left in place.`,
+    );
+  await d.host.removeCreated(target);
+  if (ours.some(isDeviceBind)) {
+    // A read-only loop device attached only for this block publish goes with it.
+    const staged = stagingLoop(on.loops, await d.volumes.lease(r.id, d.nodeId), table);
+    const others = await othersLoops(d, on);
+    if (staged)
+      await detachUnused(
+        d,
+        x,
+        on.loops.filter((l) => !others.has(l.name)),
+        table,
+        staged,
+      );
+  }
+  if (ours.length > 0) x.log.info({ target }, 'unpublished volume');
+}

@@ -1,0 +1,273 @@
+/**
+ * NodeStageVolume: how a volume is staged on this host.
+ *
+ *  1. Answer at once when it is already staged as asked (the host's mount table decides).
+ *  2. Take this node's lease on the volume: the node-side fence (no other node may hold it).
+ *  3. Attach the image as a loop device, or reuse an attachment an interrupted call left.
+ *  4. Raw block: done (the lease records the device). Filesystem: decide under the volume's format
+ *     lock whether to format (format.ts), check and grow an existing one, mount it at the staging
+ *     path, and grow it online where that is how it grows.
+ * Every step the call took is undone when a later one fails, or when the caller gives up (cancelled,
+ * or past its deadline): the undo runs detached from the caller's cancellation.
+ */
+import { conflict, mismatch, broken } from '../errors.js';
+import { checkpoint, detached, type Exec } from '../exec/runner.js';
+import { failpoint } from '../failpoints.js';
+import { growthSlack } from '../host/filesystem.js';
+import type { LoopDevice } from '../host/host.js';
+import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
+import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
+import { prepareFilesystem } from './format.js';
+import { growMounted } from './grow.js';
+import {
+  callerPath,
+  loopOfMount,
+  lookAtHost,
+  mustGetVolume,
+  type NodeDeps,
+  type OnHost,
+  othersLoops,
+  stagingLoop,
+} from './on-host.js';
+
+export interface StageRequest {
+  id: string;
+  staging: string;
+  cap: Capability;
+  /** The pool the controller published from (publish context), when it said. */
+  publishPool: string | undefined;
+}
+
+/** Mount options for a staged filesystem. XFS always gets nouuid, so a clone mounts beside its source. */
+export function stageMountOptions(fsType: FsType, readOnly: boolean, userFlags: readonly string[]): string[] {
+  const userRo = userFlags.includes('ro');
+  const opts = userFlags.filter((f) => f !== 'rw' && f !== 'ro');
+  if (readOnly) {
+    opts.unshift('ro');
+    // A read-only device cannot replay a journal; mount what is on disk.
+    if (fsType === 'ext4') opts.push('noload');
+    if (fsType === 'xfs') opts.push('norecovery');
+  } else if (userRo) {
+    // Read-only asked for in the mount options: a read-only mount of a writable device (its journal
+    // is replayed, so what is mounted is consistent).
+    opts.unshift('ro');
+  }
+  if (fsType === 'xfs' && !opts.includes('nouuid')) opts.push('nouuid');
+  return [...new Set(opts)];
+}
+
+/** What a stage did so far, undone in reverse order when it fails. */
+type Undo = (x: Exec) => Promise<unknown>;
+
+export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promise<void> {
+  const vol = await mustGetVolume(d, r.id);
+  if (r.publishPool !== undefined && r.publishPool !== d.poolName) {
+    throw conflict(
+      `Volume ${r.id} was published from pool ${r.publishPool}, but this node serves ${d.poolName}.`,
+    );
+  }
+  const staging = await callerPath(d, r.staging, 'staging_target_path');
+  const readOnly = isReaderOnly(r.cap.mode);
+  const on = await lookAtHost(d, x, r.id);
+  const ownLease = await d.volumes.lease(r.id, d.nodeId);
+  if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;
+
+  // A loop device of this image that nothing uses is a leftover of an interrupted call: reused when it
+  // is attached the right way round, detached otherwise. One in use is another staging's.
+  const others = await othersLoops(d, on);
+  const mine = on.loops.filter((l) => !others.has(l.name));
+  const inUse = (l: LoopDevice): boolean => on.mounts.some((m) => loopOfMount(m, [l]));
+  const usable = mine.filter((l) => l.readOnly === readOnly && !inUse(l));
+  const stale = mine.filter((l) => l.readOnly !== readOnly);
+  const busyOne = stale.find(inUse);
+  if (busyOne) {
+    throw conflict(
+      `Volume ${r.id} is in use on this node ${busyOne.readOnly ? 'read-only' : 'read-write'} (${busyOne.path}); it cannot also be staged ${readOnly ? 'read-only' : 'read-write'}.`,
+    );
+  }
+
+  // The node-side fence: no other node may hold it.
+  const lease: Lease = {
+    node: d.nodeId,
+    stagingPath: staging,
+    accessType: r.cap.accessType,
+    mode: r.cap.mode,
+    readonly: readOnly,
+    since: new Date().toISOString(),
+  };
+  const previous = await d.volumes.takeLease(r.id, lease);
+  if (previous && previous.stagingPath !== staging) {
+    // A lease for another path whose staging is gone (the host rebooted): replace it.
+    await d.volumes.dropLease(r.id, d.nodeId);
+    await d.volumes.takeLease(r.id, lease);
+  }
+  const undo: Undo[] = previous ? [] : [() => d.volumes.dropLease(r.id, d.nodeId)];
+  const attach = async (ro: boolean): Promise<LoopDevice> => {
+    const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
+    undo.push((cx) => d.host.detach(cx, loop));
+    x.log.info({ device: loop.path, readOnly: ro, directIo: loop.directIo }, 'attached loop device');
+    return loop;
+  };
+  try {
+    for (const l of stale) {
+      if (await d.host.claimed(l.path)) {
+        throw conflict(
+          `A filesystem of volume ${r.id} is still active on ${l.path} with no mount on this host (left frozen, or mounted in another mount namespace); it was left alone.`,
+        );
+      }
+      await d.host.detach(x, l);
+    }
+    let loop = usable[0];
+    if (!loop) {
+      loop = await attach(readOnly);
+      failpoint('stage:attached');
+    } else if ((await d.host.fileSizeOf(on.image)) !== loop.sizeBytes) {
+      // A reused attachment: make it see the image's current size (it may have grown since).
+      loop = await d.host.refreshSize(x, loop);
+    }
+    const reused = loop === usable[0];
+    checkpoint(x);
+
+    if (r.cap.accessType === 'block') {
+      // Nothing is mounted for a staged block volume: the lease says which device is this node's.
+      await d.volumes.takeLease(r.id, { ...lease, device: loop.name });
+      if (!(await d.volumes.isInitialized(r.id)))
+        await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`);
+      checkpoint(x);
+      return;
+    }
+
+    // A reused device that a filesystem still holds, with no mount of it here: a superblock left alive
+    // (frozen when a pod went away during a snapshot, or mounted in a namespace that is gone). It is
+    // mounted again (the kernel hands back that superblock) and thawed, never checked or formatted.
+    const live = reused && (await d.host.claimed(loop.path));
+    let fsType: FsType;
+    let growAfterMount = false;
+    if (live) {
+      const content = await d.host.probe(x, loop.path);
+      if (content.kind !== 'filesystem' || (r.cap.fsType !== '' && content.type !== r.cap.fsType)) {
+        throw conflict(
+          `Volume ${r.id} is held by an active filesystem on ${loop.path} that this request does not match.`,
+        );
+      }
+      fsType = content.type as FsType;
+    } else {
+      const prepared = await prepareFilesystem(d, x, vol, r.cap, loop, attach);
+      loop = prepared.loop;
+      fsType = prepared.fsType;
+      if (!prepared.formatted && !readOnly)
+        growAfterMount = await checkAndGrowOffline(d, x, r.id, fsType, loop);
+    }
+    checkpoint(x);
+
+    await d.host.makeDir(staging);
+    const options = stageMountOptions(fsType, readOnly, r.cap.mountFlags);
+    try {
+      await d.host.mount(x, { fsType, source: loop.path, target: staging, options });
+    } catch (err) {
+      const flags = r.cap.mountFlags.length > 0 ? ` (mount flags: ${r.cap.mountFlags.join(',')})` : '';
+      const why = mountErrorLine(err);
+      throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);
+    }
+    undo.push((cx) => d.host.unmountAll(cx, staging));
+    failpoint('stage:mounted');
+    if (live && (await d.host.thaw(x, staging))) {
+      x.log.warn({ device: loop.path, staging }, 'thawed a filesystem that was left frozen');
+    }
+    if (growAfterMount && !options.includes('ro')) await growMounted(d, x, fsType, loop, staging);
+    checkpoint(x);
+    x.log.info({ device: loop.path, staging, fsType, options }, 'staged volume');
+  } catch (err) {
+    const cx = detached(x);
+    for (const step of undo.reverse()) {
+      await step(cx).catch((e: unknown) => {
+        x.log.error({ err: e }, 'rollback step failed');
+      });
+    }
+    throw err;
+  }
+}
+
+/**
+ * True when the volume is already staged at `staging` as asked (then the lease is refreshed); throws
+ * when it is staged in a way this request contradicts.
+ */
+async function alreadyStaged(
+  d: NodeDeps,
+  on: OnHost,
+  r: StageRequest,
+  staging: string,
+  readOnly: boolean,
+  ownLease: Lease | undefined,
+): Promise<boolean> {
+  const { cap } = r;
+  if (cap.accessType === 'mount') {
+    const top = on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+    if (top) {
+      const loop = on.loops.find((l) => l.path === top.source);
+      if (!loop) throw conflict(`${staging} already has ${top.source} mounted, which is not volume ${r.id}.`);
+      if (
+        (cap.fsType !== '' && top.fsType !== cap.fsType) ||
+        isReadOnlyMount(top) !== (readOnly || cap.mountFlags.includes('ro')) ||
+        ownLease?.accessType === 'block'
+      ) {
+        throw mismatch(
+          `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
+        );
+      }
+      await d.volumes.takeLease(r.id, {
+        node: d.nodeId,
+        stagingPath: staging,
+        accessType: 'mount',
+        mode: cap.mode,
+        readonly: readOnly,
+        since: new Date().toISOString(),
+      });
+      return true;
+    }
+  }
+  const live = ownLease ? stagingLoop(on.loops, ownLease, on.mounts) : undefined;
+  if (!ownLease || !live) return false;
+  if (ownLease.stagingPath !== staging) {
+    throw conflict(
+      `Volume ${r.id} is already staged on this node at ${ownLease.stagingPath}; unstage it there first.`,
+    );
+  }
+  if (ownLease.accessType === 'block' && cap.accessType === 'block') {
+    if (ownLease.mode !== cap.mode || ownLease.readonly !== readOnly) {
+      throw mismatch(`Volume ${r.id} is already staged at ${staging} with access mode ${ownLease.mode}.`);
+    }
+    return true;
+  }
+  if (ownLease.accessType !== cap.accessType) {
+    throw mismatch(`Volume ${r.id} is already staged at ${staging} for ${ownLease.accessType} access.`);
+  }
+  return false;
+}
+
+/**
+ * Checks an existing filesystem before it is mounted writable and grows an ext4 that is smaller than
+ * its device (offline growth needs no CAP_SYS_RESOURCE, so every stage makes up for a failed online
+ * grow). Returns true when an xfs or btrfs must be grown once mounted.
+ */
+async function checkAndGrowOffline(
+  d: NodeDeps,
+  x: Exec,
+  id: string,
+  fsType: FsType,
+  loop: LoopDevice,
+): Promise<boolean> {
+  await d.host.check(x, fsType, loop.path);
+  const size = await d.host.filesystemSize(fsType, loop.path);
+  const small = size !== undefined && size < loop.sizeBytes - growthSlack(loop.sizeBytes);
+  if (!small || fsType !== 'ext4') return small;
+  await d.host.growOffline(x, loop.path);
+  const grown = await d.host.filesystemSize('ext4', loop.path);
+  if (grown === undefined || grown < loop.sizeBytes - growthSlack(loop.sizeBytes)) {
+    throw broken(
+      `resize2fs left the ext4 filesystem of volume ${id} at ${grown ?? 'an unreadable size'} on a ${loop.sizeBytes}-byte device.`,
+    );
+  }
+  x.log.info({ device: loop.path, from: size, to: grown }, 'grew ext4 filesystem before mounting');
+  return false;
+}

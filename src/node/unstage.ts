@@ -1,0 +1,88 @@
+/**
+ * NodeUnstageVolume: undo a stage. Refused while the volume is still published on this node; the
+ * staging mount is unmounted only when it is this volume's (judged by the loop device's backing file,
+ * not its path), and a mount of anything else there is reported, never answered with success. The
+ * volume's loop devices that nothing uses any more are detached, and the lease goes last.
+ */
+import { broken, conflict, missing } from '../errors.js';
+import type { Exec } from '../exec/runner.js';
+import type { LoopDevice, MountEntry } from '../host/host.js';
+import { isVolumeId } from '../pool/ids.js';
+import {
+  callerPath,
+  classifyAt,
+  foreignMountError,
+  isDeviceBind,
+  loopOfMount,
+  lookAtHost,
+  type NodeDeps,
+  othersLoops,
+} from './on-host.js';
+
+export interface UnstageRequest {
+  id: string;
+  staging: string;
+}
+
+export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Promise<void> {
+  if (!isVolumeId(r.id)) throw missing(`Volume ${r.id} does not exist.`);
+  const staging = await callerPath(d, r.staging, 'staging_target_path');
+  const on = await lookAtHost(d, x, r.id);
+  const known = (await d.volumes.inspect(r.id)).state !== 'absent';
+  const lease = await d.volumes.lease(r.id, d.nodeId);
+  const atStaging = on.mounts.filter((m) => m.mountPoint === staging);
+  if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)
+    throw missing(`Volume ${r.id} does not exist.`);
+
+  // Loop devices of other nodes' stagings (several node plugins on one host) are not ours to judge or detach.
+  const others = await othersLoops(d, on);
+  const ours = on.loops.filter((l) => !others.has(l.name));
+  const published = on.mounts.filter((m) => m.mountPoint !== staging && loopOfMount(m, ours));
+  if (published.length > 0) {
+    throw conflict(
+      `Volume ${r.id} is still published at ${published.map((m) => m.mountPoint).join(', ')}; unpublish it first.`,
+    );
+  }
+  const { ours: oursAt, foreign } = classifyAt(on, staging, ours);
+  if (foreign.length > 0) throw foreignMountError(on, staging, 'staging_target_path', foreign);
+
+  let table = on.mounts;
+  if (oursAt.length > 0) {
+    // A frozen filesystem that is unmounted stays frozen, holding its device: thaw it first.
+    if (!oursAt.every(isDeviceBind) && (await d.host.thaw(x, staging))) {
+      x.log.warn({ staging }, 'thawed a frozen filesystem before unmounting it');
+    }
+    table = await d.host.unmountAll(x, staging, on.mounts);
+    if (table.some((m) => m.mountPoint === staging)) {
+      throw broken(`Volume ${r.id} is still mounted at ${staging} after unmounting it.`);
+    }
+    x.log.info({ staging }, 'unmounted staging path');
+  }
+  await detachUnused(d, x, ours, table);
+  await d.volumes.dropLease(r.id, d.nodeId);
+}
+
+/**
+ * Detaches the loop devices in `loops` that no mount of `table` (a fresh one) uses, except `keep`.
+ * A device the kernel cannot let go of (something still holds it) is reported, not hidden.
+ */
+export async function detachUnused(
+  d: NodeDeps,
+  x: Exec,
+  loops: readonly LoopDevice[],
+  table: readonly MountEntry[],
+  keep?: LoopDevice,
+): Promise<void> {
+  const held: string[] = [];
+  for (const loop of loops) {
+    if (keep && loop.name === keep.name) continue;
+    if (table.some((m) => loopOfMount(m, [loop]))) continue;
+    if (await d.host.detach(x, loop)) x.log.info({ device: loop.path }, 'detached loop device');
+    else held.push(loop.path);
+  }
+  if (held.length > 0) {
+    throw conflict(
+      `${held.join(', ')} is still open (a filesystem or a process holds it); it detaches when closed, and the volume stays in use on this node until then.`,
+    );
+  }
+}
