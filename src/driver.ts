@@ -17,7 +17,7 @@ import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
 import type { GroupControllerHandlers } from './gen/csi/v1/GroupController.js';
 import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
-import { readinessProblem } from './health.js';
+import { Readiness } from './health.js';
 import { Metrics, serveMetrics } from './metrics.js';
 import { kernelHost, loopsBackedBy } from './host/host.js';
 import type { NodeDeps } from './node/on-host.js';
@@ -64,7 +64,16 @@ export async function startDriver(
   const capacityProbe = servesController(config)
     ? () => new Capacity(pool.layout, config.overcommitRatio).report()
     : undefined;
-  const metrics = config.metricsAddress ? new Metrics(capacityProbe) : undefined;
+  const metrics = config.metricsAddress
+    ? new Metrics(capacityProbe, async () => (await pool.quarantined()).length)
+    : undefined;
+  const quarantined = await pool.quarantined();
+  if (quarantined.length > 0) {
+    log.warn(
+      { quarantined: quarantined.map((q) => `${pool.layout.quarantineDir}/${q}`) },
+      'the pool holds quarantined records (unreadable, kept instead of deleted); an operator must restore or remove them',
+    );
+  }
   let active = 0;
   const deps: CallDeps = {
     log,
@@ -81,6 +90,7 @@ export async function startDriver(
     },
   };
 
+  const readiness = new Readiness(pool, config.mode);
   const proto = csiProto().csi.v1;
   const server = new grpc.Server({ 'grpc.max_receive_message_length': 4 * 1024 * 1024 });
   server.addService(
@@ -88,7 +98,7 @@ export async function startDriver(
     buildService<IdentityHandlers>(
       'Identity',
       proto.Identity.service,
-      identityService({ config, pool, version: driverVersion() }),
+      identityService({ config, readiness, version: driverVersion() }),
       deps,
     ),
   );
@@ -147,12 +157,7 @@ export async function startDriver(
   await listen(server, config.endpoint, log);
   let metricsServer: http.Server | undefined;
   if (metrics && config.metricsAddress) {
-    metricsServer = await serveMetrics(
-      metrics,
-      config.metricsAddress,
-      () => readinessProblem(pool, config.mode),
-      log,
-    );
+    metricsServer = await serveMetrics(metrics, config.metricsAddress, () => readiness.problem(), log);
   }
   log.info(
     {

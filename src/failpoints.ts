@@ -11,3 +11,13 @@ export function failpoint(name: string): void {
     process.kill(process.pid, 'SIGKILL');
   }
 }
+
+/**
+ * Pause points for tests: LOOPVOL_PAUSEPOINT="<name>:<ms>" makes the process wait there, so a test can
+ * let a caller's deadline pass (or cancel the call) exactly between two steps. Unset in production.
+ */
+const pausing = /^([a-z:-]+):(\d+)$/.exec(process.env.LOOPVOL_PAUSEPOINT ?? '');
+
+export async function pausepoint(name: string): Promise<void> {
+  if (pausing?.[1] === name) await new Promise((r) => setTimeout(r, Number(pausing[2])));
+}

@@ -32,8 +32,12 @@ export function toolsFor(mode: Mode): string[] {
 /** Tools found once stay found (a package is not uninstalled under a running driver); missing ones are looked for again. */
 const found = new Set<string>();
 
-/** A sentence saying why this process is not ready, or undefined when it is. */
-export async function readinessProblem(pool: Pool, mode: Mode): Promise<string | undefined> {
+/** How long an answer is shared with the callers that ask after it (Probe is polled by several sidecars). */
+export const READINESS_REUSE_MS = 1_000;
+/** How long a readiness check may take before the answer is "not ready": a hung pool must not hang Probe. */
+export const READINESS_TIMEOUT_MS = 2_000;
+
+async function check(pool: Pool, mode: Mode): Promise<string | undefined> {
   const unchecked = toolsFor(mode).filter((t) => !found.has(t));
   const [poolProblem, missing] = await Promise.all([pool.checkUsable(), missingTools(unchecked)]);
   for (const t of unchecked) if (!missing.includes(t)) found.add(t);
@@ -41,4 +45,53 @@ export async function readinessProblem(pool: Pool, mode: Mode): Promise<string |
   if (poolProblem) problems.push(poolProblem);
   if (missing.length > 0) problems.push(`missing tools: ${missing.join(', ')}`);
   return problems.length > 0 ? `The driver is not ready: ${problems.join('; ')}.` : undefined;
+}
+
+/**
+ * Whether this process can serve, shared among callers: one check runs at a time (a check stuck on a
+ * hung pool filesystem is not started again and again, each holding a thread), its answer is reused
+ * for READINESS_REUSE_MS, and a caller waits at most `timeoutMs` for it.
+ */
+export class Readiness {
+  private running: Promise<string | undefined> | undefined;
+  private last: { at: number; problem: string | undefined } | undefined;
+
+  constructor(
+    private readonly pool: Pool,
+    private readonly mode: Mode,
+  ) {}
+
+  /** A sentence saying why this process is not ready, or undefined when it is. */
+  async problem(timeoutMs = READINESS_TIMEOUT_MS): Promise<string | undefined> {
+    if (this.last && performance.now() - this.last.at < READINESS_REUSE_MS) return this.last.problem;
+    this.running ??= check(this.pool, this.mode).then(
+      (problem) => {
+        this.last = { at: performance.now(), problem };
+        this.running = undefined;
+        return problem;
+      },
+      (err: unknown) => {
+        this.running = undefined;
+        return `The driver is not ready: checking it failed (${err instanceof Error ? err.message : String(err)}).`;
+      },
+    );
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<string>((resolve) => {
+      timer = setTimeout(() => {
+        resolve(
+          `The driver is not ready: the pool ${this.pool.root} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
+        );
+      }, timeoutMs);
+    });
+    try {
+      return await Promise.race([this.running, late]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+}
+
+/** A one-off readiness check (tests, tools). */
+export function readinessProblem(pool: Pool, mode: Mode): Promise<string | undefined> {
+  return new Readiness(pool, mode).problem();
 }

@@ -8,7 +8,10 @@ export class Metrics implements CallObserver {
   readonly registry = new Registry();
   private readonly rpc: Histogram;
 
-  constructor(capacity?: () => Promise<{ totalBytes: number; availableBytes: number; freeBytes: number }>) {
+  constructor(
+    capacity?: () => Promise<{ totalBytes: number; availableBytes: number; freeBytes: number }>,
+    quarantined?: () => Promise<number>,
+  ) {
     collectDefaultMetrics({ register: this.registry, prefix: 'loopvol_' });
     this.rpc = new Histogram({
       name: 'loopvol_rpc_duration_seconds',
@@ -28,6 +31,16 @@ export class Metrics implements CallObserver {
           gauge.set({ kind: 'total' }, c.totalBytes);
           gauge.set({ kind: 'free' }, c.freeBytes);
           gauge.set({ kind: 'available' }, c.availableBytes);
+        },
+      });
+    }
+    if (quarantined) {
+      const gauge = new Gauge({
+        name: 'loopvol_quarantined_records',
+        help: 'Directories in the pool quarantine/ (records that could not be read, kept for an operator); alert when above 0',
+        registers: [this.registry],
+        async collect() {
+          gauge.set(await quarantined());
         },
       });
     }

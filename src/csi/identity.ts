@@ -5,13 +5,12 @@ import { failedPrecondition } from '../errors.js';
 import type { GetPluginCapabilitiesResponse } from '../gen/csi/v1/GetPluginCapabilitiesResponse.js';
 import type { IdentityHandlers } from '../gen/csi/v1/Identity.js';
 import type { PluginCapability } from '../gen/csi/v1/PluginCapability.js';
-import { readinessProblem } from '../health.js';
-import type { Pool } from '../pool/pool.js';
+import { READINESS_TIMEOUT_MS, type Readiness } from '../health.js';
 import { method, type Methods } from '../server/call.js';
 
 export interface IdentityDeps {
   config: Pick<Config, 'driverName' | 'mode'>;
-  pool: Pool;
+  readiness: Readiness;
   version: string;
 }
 
@@ -26,7 +25,7 @@ export function pluginCapabilities(config: Pick<Config, 'mode'>): GetPluginCapab
   return { capabilities: caps };
 }
 
-export function identityService({ config, pool, version }: IdentityDeps): Methods<IdentityHandlers> {
+export function identityService({ config, readiness, version }: IdentityDeps): Methods<IdentityHandlers> {
   const none = (): null => null;
   return {
     GetPluginInfo: method({
@@ -42,8 +41,10 @@ export function identityService({ config, pool, version }: IdentityDeps): Method
     Probe: method({
       validate: none,
       quiet: true,
-      run: async () => {
-        const problem = await readinessProblem(pool, config.mode);
+      run: async (_v, ctx) => {
+        // Answer within the caller's deadline, whatever the pool's filesystem does.
+        const wait = Math.max(100, Math.min(READINESS_TIMEOUT_MS, ctx.deadline - Date.now() - 200));
+        const problem = await readiness.problem(wait);
         if (problem) throw failedPrecondition(problem);
         return { ready: { value: true } };
       },

@@ -12,11 +12,15 @@ import { type Capability, FS_TYPES, type FsType, isAccessMode, isFsType } from '
 export const TOPOLOGY_KEY = 'loopvol.csi.io/pool';
 export const MiB = 2 ** 20;
 
-/** Smallest image each filesystem's mkfs accepts (xfsprogs 6: 300 MiB; btrfs-progs 6: about 109 MiB). */
+/**
+ * Smallest volume of each filesystem: what its mkfs accepts (xfsprogs 6: 300 MiB), and for btrfs what
+ * it needs to grow: mkfs.btrfs accepts about 109 MiB, but the kernel refuses to resize a btrfs to less
+ * than 256 MiB (EINVAL), so a smaller one could never be expanded.
+ */
 export const MIN_BYTES: Record<FsType | 'block', number> = {
   ext4: MiB,
   xfs: 300 * MiB,
-  btrfs: 110 * MiB,
+  btrfs: 256 * MiB,
   block: MiB,
 };
 

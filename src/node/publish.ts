@@ -12,6 +12,7 @@ import { broken, conflict, invalid, mismatch, missing } from '../errors.js';
 import { checkpoint, CommandError, detached, type Exec } from '../exec/runner.js';
 import type { LoopDevice, MountEntry } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
+import { pausepoint } from '../failpoints.js';
 import { isVolumeId } from '../pool/ids.js';
 import { type AccessMode, type Capability, isReaderOnly } from '../pool/types.js';
 import {
@@ -148,8 +149,10 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
       await d.host.makeDir(target);
       undo.push(() => d.host.removeCreated(target));
     }
+    await pausepoint('publish:prepared');
     await d.host.bind(x, source, target, options);
     undo.push((cx) => d.host.unmountAll(cx, target));
+    await pausepoint('publish:mounted');
     await checkBindFlags(d, x, r.id, target, options);
     checkpoint(x);
     x.log.info({ target, readOnly, block: isBlock, options }, 'published volume');

@@ -12,7 +12,7 @@
  */
 import { conflict, mismatch, broken } from '../errors.js';
 import { checkpoint, detached, type Exec } from '../exec/runner.js';
-import { failpoint } from '../failpoints.js';
+import { failpoint, pausepoint } from '../failpoints.js';
 import { growthSlack } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
@@ -118,6 +118,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       await d.host.detach(x, l);
     }
     let loop = usable[0];
+    const reused = loop !== undefined;
     if (!loop) {
       loop = await attach(readOnly);
       failpoint('stage:attached');
@@ -125,7 +126,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       // A reused attachment: make it see the image's current size (it may have grown since).
       loop = await d.host.refreshSize(x, loop);
     }
-    const reused = loop === usable[0];
+    await pausepoint('stage:attached');
     checkpoint(x);
 
     if (r.cap.accessType === 'block') {
@@ -171,6 +172,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     }
     undo.push((cx) => d.host.unmountAll(cx, staging));
     failpoint('stage:mounted');
+    await pausepoint('stage:mounted');
     if (live && (await d.host.thaw(x, staging))) {
       x.log.warn({ device: loop.path, staging }, 'thawed a filesystem that was left frozen');
     }
