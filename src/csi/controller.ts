@@ -282,7 +282,9 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         };
         const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName) });
 
-        const existing = await volumes.get(v.id);
+        // A damaged record is not "existing": volumes.create quarantines it and says where it went.
+        const found = await volumes.inspect(v.id);
+        const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
         if (existing) {
           const why = compatible(existing);
           if (why)
@@ -602,7 +604,8 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       },
       locks: (v) => [v.id, v.source],
       run: async (v, ctx) => {
-        const existing = await snapshots.get(v.id);
+        const found = await snapshots.inspect(v.id);
+        const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
         if (existing) {
           if (existing.sourceVolumeId !== v.source) {
             throw alreadyExists(

@@ -159,6 +159,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       if (!prepared.formatted && !readOnly)
         growAfterMount = await checkAndGrowOffline(d, x, r.id, fsType, loop);
     }
+    await pausepoint('stage:formatted');
     checkpoint(x);
 
     await d.host.makeDir(staging);

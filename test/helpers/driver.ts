@@ -39,6 +39,8 @@ export interface DriverArgs {
   extra?: string[];
   logLevel?: string;
   env?: Record<string, string>;
+  /** Runs the driver through this command line (e.g. unshare into its own mount namespace); the driver's own argv follows it. */
+  wrap?: string[];
 }
 
 export function driverArgs(a: DriverArgs): { args: string[]; socket: string; poolDir: string } {
@@ -71,7 +73,8 @@ export function runMain(args: string[]): Promise<{ code: number | null; stdout: 
 
 export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> {
   const { args, socket, poolDir } = driverArgs(a);
-  const proc = spawn(process.execPath, [MAIN, ...args], {
+  const argv = [...(a.wrap ?? []), process.execPath, MAIN, ...args];
+  const proc = spawn(argv[0] ?? process.execPath, argv.slice(1), {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, ...a.env },
   });
