@@ -254,3 +254,16 @@ async function releaseAll(ctx: CallContext, d: CopyDeps, holds: readonly Hold[])
 }
 
 const formatMiB = (bytes: number): string => `${Math.round(bytes / 2 ** 20)} MiB`;
+
+/** Copies one volume's image as it stood at one instant. */
+export async function copyAtOneInstant(
+  ctx: CallContext,
+  d: CopyDeps,
+  sourceId: string,
+  dst: string,
+): Promise<Date> {
+  return withConsistentSources(ctx, d, [sourceId], async (plan) => {
+    await plan.copy(sourceId, dst);
+    return plan.takenAt;
+  });
+}

@@ -1,48 +1,39 @@
 /**
  * The CSI Controller service: volumes, attachments, capacity, snapshots and expansion, over the pool.
  * Each RPC validates the request (no side effect before that), names the in-flight keys it holds, and
- * leaves crash safety and cross-process locking to the pool stores.
+ * leaves crash safety and cross-process locking to the pool stores. CreateVolume lives in
+ * create-volume.ts, the snapshot RPCs in snapshots.ts.
  */
 import fs from 'node:fs/promises';
 import type { Config } from '../config.js';
-import {
-  aborted,
-  alreadyExists,
-  type CsiError,
-  invalidArgument,
-  notFound,
-  outOfRange,
-  resourceExhausted,
-} from '../errors.js';
+import { invalidArgument, notFound, outOfRange, resourceExhausted } from '../errors.js';
 import type { ControllerHandlers } from '../gen/csi/v1/Controller.js';
 import type { ControllerServiceCapability } from '../gen/csi/v1/ControllerServiceCapability.js';
 import type { VolumeCondition } from '../gen/csi/v1/VolumeCondition.js';
-import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSource.js';
+import { mapLimit } from '../limit.js';
 import type { Capacity } from '../pool/capacity.js';
 import { formatBytes } from '../pool/capacity.js';
-import { isNodeId, isSnapshotId, isVolumeId, snapshotIdForName, volumeIdForName } from '../pool/ids.js';
-import { copyImage, createSparseImage, growImage, preallocate } from '../pool/images.js';
-import { mapLimit } from '../limit.js';
+import { isNodeId, isVolumeId } from '../pool/ids.js';
+import { growImage, preallocate } from '../pool/images.js';
 import type { NodeRegistry } from '../pool/nodes.js';
 import type { Pool } from '../pool/pool.js';
 import type { SnapshotStore } from '../pool/snapshots.js';
-import type { Capability, ContentSource, FsType, SnapshotMeta, VolumeMeta } from '../pool/types.js';
-import type { FillResult, VolumeStore } from '../pool/volumes.js';
-import type { CallContext } from '../server/call.js';
+import type { Capability, VolumeMeta } from '../pool/types.js';
+import type { VolumeStore } from '../pool/volumes.js';
 import { method, type Methods } from '../server/call.js';
-import { type CopyDeps, withConsistentSources } from './consistency.js';
-import { snapshotMessage, volumeMessage } from './messages.js';
-import { K8S_PREFIX, parseMutableParameters, parseVolumeParameters } from './parameters.js';
+import type { CopyDeps } from './consistency.js';
+import { createVolumeMethod, requestedFsType, sameStrings } from './create-volume.js';
+import { volumeMessage } from './messages.js';
+import { parseMutableParameters, parseVolumeParameters } from './parameters.js';
+import { snapshotMethods } from './snapshots.js';
 import {
   describeCapability,
+  invalidToken,
   MIN_BYTES,
-  parseCapabilities,
   parseCapability,
   parseRange,
-  type Range,
   requireField,
   roundUpMiB,
-  topologyAdmits,
   TOPOLOGY_KEY,
 } from './validate.js';
 
@@ -81,91 +72,8 @@ export const CONTROLLER_CAPABILITIES = [
 /** How many volumes a listing looks at in parallel. */
 const LIST_CONCURRENCY = 16;
 
-/** The filesystem the capabilities ask for, if they ask; conflicting asks are INVALID_ARGUMENT. */
-function requestedFsType(caps: readonly Capability[], param: FsType | undefined): FsType | undefined {
-  const asked = new Set<string>(
-    caps.filter((c) => c.accessType === 'mount' && c.fsType !== '').map((c) => c.fsType),
-  );
-  if (param) asked.add(param);
-  if (asked.size > 1)
-    throw invalidArgument(`The request asks for several filesystems (${[...asked].join(', ')}); choose one.`);
-  const [only] = [...asked];
-  return only as FsType | undefined;
-}
-
-function parseContentSource(src: VolumeContentSource__Output | null): ContentSource | null {
-  if (!src) return null;
-  if (src.type === 'snapshot' || src.snapshot) {
-    return {
-      kind: 'snapshot',
-      id: requireField(src.snapshot?.snapshot_id ?? '', 'volume_content_source.snapshot.snapshot_id'),
-    };
-  }
-  if (src.type === 'volume' || src.volume) {
-    return {
-      kind: 'volume',
-      id: requireField(src.volume?.volume_id ?? '', 'volume_content_source.volume.volume_id'),
-    };
-  }
-  throw invalidArgument('volume_content_source names neither a snapshot nor a volume.');
-}
-
-/** Keys under csi.storage.k8s.io/ that the snapshotter adds; nothing else is a known snapshot parameter. */
-export function parseSnapshotParameters(params: Record<string, string>): Record<string, string> {
-  for (const key of Object.keys(params)) {
-    if (!key.startsWith(K8S_PREFIX)) {
-      throw invalidArgument(
-        `Snapshot parameter ${JSON.stringify(key)} is not known; loopvol takes no snapshot parameters.`,
-      );
-    }
-  }
-  return params;
-}
-
-function sameStrings(a: Record<string, string>, b: Record<string, string>): boolean {
-  const ka = Object.keys(a).sort();
-  const kb = Object.keys(b).sort();
-  return ka.length === kb.length && ka.every((k, i) => k === kb[i] && a[k] === b[k]);
-}
-
-/**
- * The size to make: required rounded up to a MiB, at least the filesystem's minimum and the source's
- * size; with no range, the default (or the source's size). OUT_OF_RANGE when no size fits.
- */
-export function chooseSize(
-  range: Range,
-  minBytes: number,
-  defaultBytes: number,
-  sourceBytes: number | undefined,
-): number {
-  const { requiredBytes, limitBytes } = range;
-  if (sourceBytes !== undefined && requiredBytes > 0 && requiredBytes < sourceBytes) {
-    throw outOfRange(
-      `The source is ${formatBytes(sourceBytes)}; a volume made from it cannot be smaller (asked for ${formatBytes(requiredBytes)}).`,
-    );
-  }
-  if (sourceBytes !== undefined && limitBytes > 0 && limitBytes < sourceBytes) {
-    throw outOfRange(
-      `The source is ${formatBytes(sourceBytes)}, more than limit_bytes (${formatBytes(limitBytes)}).`,
-    );
-  }
-  let want: number;
-  if (requiredBytes > 0) want = requiredBytes;
-  else if (sourceBytes !== undefined) want = sourceBytes;
-  else want = limitBytes > 0 ? Math.min(defaultBytes, limitBytes) : defaultBytes;
-  const size = roundUpMiB(Math.max(want, minBytes, sourceBytes ?? 0));
-  if (limitBytes > 0 && size > limitBytes) {
-    throw outOfRange(
-      size === roundUpMiB(minBytes) && minBytes > want
-        ? `This filesystem needs at least ${formatBytes(minBytes)}, more than limit_bytes (${formatBytes(limitBytes)}).`
-        : `No whole number of MiB lies between ${formatBytes(requiredBytes)} and ${formatBytes(limitBytes)}.`,
-    );
-  }
-  return size;
-}
-
 export function controllerService(d: ControllerDeps): Methods<ControllerHandlers> {
-  const { volumes, snapshots } = d;
+  const { volumes } = d;
   const poolName = d.config.poolName;
 
   async function condition(meta: VolumeMeta): Promise<VolumeCondition> {
@@ -187,14 +95,6 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
     return (await volumes.attachments(id)).map((a) => a.node);
   }
 
-  /** Copies a volume's image at one instant (see consistency.ts). */
-  async function copyVolumeImage(ctx: CallContext, sourceId: string, dst: string): Promise<Date> {
-    return withConsistentSources(ctx, d, [sourceId], async (plan) => {
-      await plan.copy(sourceId, dst);
-      return plan.takenAt;
-    });
-  }
-
   return {
     ControllerGetCapabilities: method({
       validate: () => null,
@@ -207,145 +107,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         }),
     }),
 
-    CreateVolume: method({
-      validate: (req) => {
-        const name = requireField(req.name, 'name');
-        const caps = parseCapabilities(req.volume_capabilities, 'volume_capabilities');
-        const range = parseRange(req.capacity_range);
-        const params = parseVolumeParameters(req.parameters);
-        const mutable = parseMutableParameters(req.mutable_parameters);
-        const source = parseContentSource(req.volume_content_source);
-        const fsType = requestedFsType(caps, params.fsType);
-        return {
-          req,
-          name,
-          id: volumeIdForName(name),
-          caps,
-          range,
-          params,
-          fsType,
-          allocation: mutable.allocation ?? params.allocation ?? 'sparse',
-          source,
-        };
-      },
-      locks: (v) => [v.id, ...(v.source ? [v.source.id] : [])],
-      run: async (v, ctx) => {
-        if (!topologyAdmits(v.req.accessibility_requirements, poolName)) {
-          throw resourceExhausted(
-            `This driver provisions in ${TOPOLOGY_KEY}=${poolName}, which the accessibility requirements exclude.`,
-          );
-        }
-        // Resolve the content source (NOT_FOUND when absent).
-        let sourceBytes: number | undefined;
-        let sourceFs: FsType | undefined;
-        let sourceInitialized = false;
-        let sourceSnapshot: SnapshotMeta | undefined;
-        if (v.source?.kind === 'snapshot') {
-          sourceSnapshot = isSnapshotId(v.source.id) ? await snapshots.get(v.source.id) : undefined;
-          if (!sourceSnapshot) throw notFound(`Snapshot ${v.source.id} does not exist.`);
-          sourceBytes = sourceSnapshot.sizeBytes;
-          sourceFs = sourceSnapshot.fsType;
-          sourceInitialized = sourceSnapshot.initialized;
-        } else if (v.source?.kind === 'volume') {
-          const src = isVolumeId(v.source.id) ? await volumes.get(v.source.id) : undefined;
-          if (!src) throw notFound(`Volume ${v.source.id} does not exist.`);
-          sourceBytes = src.capacityBytes;
-          sourceFs = src.fsType;
-          sourceInitialized = await volumes.isInitialized(src.id);
-        }
-        if (v.fsType && sourceFs && sourceInitialized && v.fsType !== sourceFs) {
-          throw invalidArgument(`The source holds ${sourceFs}, but ${v.fsType} was asked for.`);
-        }
-        const fsType: FsType = v.fsType ?? sourceFs ?? 'ext4';
-        const needsFs = v.caps.some((c) => c.accessType === 'mount');
-        const size = chooseSize(
-          v.range,
-          needsFs ? MIN_BYTES[fsType] : MIN_BYTES.block,
-          d.config.defaultVolumeSize,
-          sourceBytes,
-        );
-
-        const compatible = (existing: VolumeMeta): string | undefined => {
-          if (existing.name !== v.name) return 'a different name hashes to the same id';
-          if (v.range.requiredBytes > 0 && existing.capacityBytes < v.range.requiredBytes)
-            return `its size is ${formatBytes(existing.capacityBytes)}`;
-          if (v.range.limitBytes > 0 && existing.capacityBytes > v.range.limitBytes)
-            return `its size is ${formatBytes(existing.capacityBytes)}`;
-          if (!sameStrings(existing.parameters, v.req.parameters))
-            return 'it was created with other parameters';
-          if (!sameStrings(existing.mutableParameters, v.req.mutable_parameters))
-            return 'it was created with other mutable parameters';
-          if (existing.contentSource?.kind !== v.source?.kind || existing.contentSource?.id !== v.source?.id)
-            return 'it has another content source';
-          if (v.fsType && v.fsType !== existing.fsType) return `it was created for ${existing.fsType}`;
-          return undefined;
-        };
-        const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName) });
-
-        // A damaged record is not "existing": volumes.create quarantines it and says where it went.
-        const found = await volumes.inspect(v.id);
-        const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
-        if (existing) {
-          const why = compatible(existing);
-          if (why)
-            throw alreadyExists(`A volume named ${JSON.stringify(v.name)} already exists, but ${why}.`);
-          return respond(existing);
-        }
-
-        const now = new Date().toISOString();
-        const meta: VolumeMeta = {
-          format: 1,
-          id: v.id,
-          name: v.name,
-          state: 'creating',
-          capacityBytes: size,
-          fsType,
-          allocation: v.allocation,
-          capabilities: v.caps,
-          parameters: v.req.parameters,
-          mutableParameters: v.req.mutable_parameters,
-          requiredBytes: v.range.requiredBytes,
-          limitBytes: v.range.limitBytes,
-          contentSource: v.source,
-          labels: v.params.labels,
-          pool: poolName,
-          createdAt: now,
-          updatedAt: now,
-        };
-        const preallocated = v.allocation === 'preallocate';
-        const fill = async (image: string): Promise<FillResult> => {
-          if (v.source?.kind === 'snapshot' && sourceSnapshot) {
-            // Held while it is read: a DeleteSnapshot meanwhile waits (or is ABORTED), never tears the copy.
-            await snapshots.holding(sourceSnapshot.id, 'restore', async (_snap, lock) => {
-              const res = await copyImage(ctx, snapshots.imagePath(v.source?.id ?? ''), image, {
-                allowCopy: true,
-                signal: lock.signal,
-              });
-              ctx.log.info({ snapshot: v.source?.id, how: res.method }, 'restored snapshot image');
-            });
-          } else if (v.source?.kind === 'volume') {
-            await copyVolumeImage(ctx, v.source.id, image);
-          } else {
-            await createSparseImage(image, size);
-          }
-          await growImage(ctx, image, size, false);
-          if (preallocated) await preallocate(ctx, image, 0, size);
-          return { initialized: sourceInitialized };
-        };
-        const { volume, created } = await volumes.create(meta, fill);
-        if (!created) {
-          const why = compatible(volume);
-          if (why)
-            throw alreadyExists(`A volume named ${JSON.stringify(v.name)} already exists, but ${why}.`);
-        } else {
-          ctx.log.info(
-            { volumeId: v.id, size, fsType, allocation: v.allocation, source: v.source },
-            'created volume',
-          );
-        }
-        return respond(volume);
-      },
-    }),
+    CreateVolume: createVolumeMethod(d),
 
     DeleteVolume: method({
       validate: (req) => ({ id: requireField(req.volume_id, 'volume_id') }),
@@ -590,110 +352,6 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         return {};
       },
     }),
-
-    CreateSnapshot: method({
-      validate: (req) => {
-        const name = requireField(req.name, 'name');
-        const source = requireField(req.source_volume_id, 'source_volume_id');
-        return {
-          name,
-          source,
-          id: snapshotIdForName(name),
-          parameters: parseSnapshotParameters(req.parameters),
-        };
-      },
-      locks: (v) => [v.id, v.source],
-      run: async (v, ctx) => {
-        const found = await snapshots.inspect(v.id);
-        const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
-        if (existing) {
-          if (existing.sourceVolumeId !== v.source) {
-            throw alreadyExists(
-              `A snapshot named ${JSON.stringify(v.name)} already exists, of volume ${existing.sourceVolumeId}.`,
-            );
-          }
-          return { snapshot: snapshotMessage(existing) };
-        }
-        const src = isVolumeId(v.source) ? await volumes.get(v.source) : undefined;
-        if (!src) throw notFound(`Volume ${v.source} does not exist.`);
-        const meta: SnapshotMeta = {
-          format: 1,
-          id: v.id,
-          name: v.name,
-          state: 'creating',
-          sourceVolumeId: v.source,
-          sizeBytes: src.capacityBytes,
-          fsType: src.fsType,
-          initialized: await volumes.isInitialized(v.source),
-          parameters: v.parameters,
-          groupSnapshotId: '',
-          createdAt: new Date().toISOString(),
-        };
-        const { snapshot, created } = await snapshots.create(meta, async (image) => {
-          const takenAt = await copyVolumeImage(ctx, v.source, image);
-          return { takenAt, sizeBytes: (await fs.stat(image)).size };
-        });
-        if (!created && snapshot.sourceVolumeId !== v.source) {
-          throw alreadyExists(
-            `A snapshot named ${JSON.stringify(v.name)} already exists, of volume ${snapshot.sourceVolumeId}.`,
-          );
-        }
-        return { snapshot: snapshotMessage(snapshot) };
-      },
-    }),
-
-    DeleteSnapshot: method({
-      validate: (req) => ({ id: requireField(req.snapshot_id, 'snapshot_id') }),
-      locks: (v) => [v.id],
-      run: async ({ id }) => {
-        await snapshots.delete(id);
-        return {};
-      },
-    }),
-
-    ListSnapshots: method({
-      validate: (req) => {
-        if (req.max_entries < 0) throw invalidArgument('max_entries must not be negative.');
-        if (req.starting_token !== '' && !isSnapshotId(req.starting_token))
-          throw invalidToken(req.starting_token);
-        return {
-          max: req.max_entries,
-          token: req.starting_token === '' ? undefined : req.starting_token,
-          snapshotId: req.snapshot_id,
-          sourceId: req.source_volume_id,
-        };
-      },
-      quiet: true,
-      run: async ({ max, token, snapshotId, sourceId }) => {
-        if (snapshotId !== '') {
-          const one = isSnapshotId(snapshotId) ? await snapshots.get(snapshotId) : undefined;
-          const match = one && (sourceId === '' || one.sourceVolumeId === sourceId) ? [one] : [];
-          return { entries: match.map((s) => ({ snapshot: snapshotMessage(s) })), next_token: '' };
-        }
-        const { snapshots: page, next } = await snapshots.list(
-          token,
-          max,
-          (s) => sourceId === '' || s.sourceVolumeId === sourceId,
-        );
-        return { entries: page.map((s) => ({ snapshot: snapshotMessage(s) })), next_token: next ?? '' };
-      },
-    }),
-
-    GetSnapshot: method({
-      validate: (req) => ({ id: requireField(req.snapshot_id, 'snapshot_id') }),
-      quiet: true,
-      run: async ({ id }) => {
-        const meta = isSnapshotId(id) ? await snapshots.get(id) : undefined;
-        if (!meta) throw notFound(`Snapshot ${id} does not exist.`);
-        return { snapshot: snapshotMessage(meta) };
-      },
-    }),
+    ...snapshotMethods(d),
   };
-}
-
-/** A starting_token this driver never issued: ABORTED, as the spec asks, so the caller starts over. */
-function invalidToken(token: string): CsiError {
-  return aborted(
-    `starting_token ${JSON.stringify(token.slice(0, 80))} is not valid; start the listing again without it.`,
-  );
 }

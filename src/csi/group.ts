@@ -11,7 +11,7 @@ import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.
 import type { SnapshotStore } from '../pool/snapshots.js';
 import { method, type Methods } from '../server/call.js';
 import { type CopyDeps, withConsistentSources } from './consistency.js';
-import { parseSnapshotParameters } from './controller.js';
+import { parseSnapshotParameters } from './snapshots.js';
 import { snapshotMessage, timestamp } from './messages.js';
 import { requireField } from './validate.js';
 

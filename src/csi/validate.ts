@@ -6,7 +6,7 @@ import path from 'node:path';
 import type { CapacityRange__Output } from '../gen/csi/v1/CapacityRange.js';
 import type { TopologyRequirement__Output } from '../gen/csi/v1/TopologyRequirement.js';
 import type { VolumeCapability__Output } from '../gen/csi/v1/VolumeCapability.js';
-import { invalidArgument, outOfRange } from '../errors.js';
+import { aborted, type CsiError, invalidArgument, outOfRange } from '../errors.js';
 import { type Capability, FS_TYPES, type FsType, isAccessMode, isFsType } from '../pool/types.js';
 
 export const TOPOLOGY_KEY = 'loopvol.csi.io/pool';
@@ -189,4 +189,11 @@ export function topologyAdmits(req: TopologyRequirement__Output | null, poolName
 export function describeCapability(c: Capability): string {
   const fs = c.accessType === 'mount' && c.fsType ? ` ${c.fsType}` : '';
   return `${c.accessType}${fs} ${c.mode}`;
+}
+
+/** A starting_token this driver never issued: ABORTED, as the spec asks, so the caller starts over. */
+export function invalidToken(token: string): CsiError {
+  return aborted(
+    `starting_token ${JSON.stringify(token.slice(0, 80))} is not valid; start the listing again without it.`,
+  );
 }

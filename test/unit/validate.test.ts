@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { chooseSize } from '../../src/csi/controller.js';
+import { chooseSize } from '../../src/csi/create-volume.js';
 import { parseMutableParameters, parseVolumeParameters } from '../../src/csi/parameters.js';
 import {
   MiB,
