@@ -1,0 +1,767 @@
+/**
+ * The node algorithms (src/node/) against an in-memory kernel (FakeHost) and a real pool in a temp
+ * directory: what each flow does to the host, step by step, and that every refusal and every failure
+ * leaves the host and the pool as they were (no loop device, no mount, no lease, no target).
+ */
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { pino } from 'pino';
+import { afterAll, describe, expect, it } from 'vitest';
+import { bindExec, type Exec, type Runner } from '../../src/exec/runner.js';
+import { OnlineGrowthUnsupported } from '../../src/host/filesystem.js';
+import { expandVolume } from '../../src/node/grow.js';
+import type { NodeDeps } from '../../src/node/on-host.js';
+import { publishVolume, unpublishVolume } from '../../src/node/publish.js';
+import { stageVolume } from '../../src/node/stage.js';
+import { volumeStats } from '../../src/node/stats.js';
+import { unstageVolume } from '../../src/node/unstage.js';
+import { Capacity } from '../../src/pool/capacity.js';
+import { volumeIdForName } from '../../src/pool/ids.js';
+import { allocatedBytes, createSparseImage } from '../../src/pool/images.js';
+import { NodeRegistry } from '../../src/pool/nodes.js';
+import { Pool } from '../../src/pool/pool.js';
+import type { Capability, FsType, VolumeMeta } from '../../src/pool/types.js';
+import { VolumeStore } from '../../src/pool/volumes.js';
+import { codeName, toStatus } from '../../src/server/status.js';
+import { commandError, FakeHost, type ImageContent } from '../helpers/fake-host.js';
+
+const MiB = 2 ** 20;
+const SIZE = 64 * MiB;
+const NODE = 'node-a';
+const STAGING = '/var/lib/kubelet/plugins/kubernetes.io/csi/loopvol.csi.io/pv-1/globalmount';
+const TARGET = '/var/lib/kubelet/pods/pod-1/volumes/kubernetes.io~csi/pv-1/mount';
+const log = pino({ level: 'silent' });
+
+const dirs: string[] = [];
+afterAll(async () => {
+  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
+});
+
+/** The node algorithms reach the kernel only through the Host: a command of their own is a bug. */
+const noCommands: Runner = {
+  run: (_scope, command, args) =>
+    Promise.reject(new Error(`ran ${command} ${args.join(' ')} behind the Host's back`)),
+};
+
+interface World {
+  host: FakeHost;
+  d: NodeDeps;
+  x: Exec;
+  volumes: VolumeStore;
+  root: string;
+}
+
+async function world(): Promise<World> {
+  const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-node-flow-'));
+  dirs.push(dir);
+  const pool = await Pool.open(dir, 'test', log);
+  const nodes = new NodeRegistry(pool.layout);
+  const volumes = new VolumeStore(pool, new Capacity(pool.layout, 100), nodes, log);
+  const host = new FakeHost();
+  // The CO makes the staging directory and the target's parent (CSI spec); the target is the driver's.
+  host.addPath(STAGING);
+  host.addPath(path.dirname(TARGET));
+  const d: NodeDeps = {
+    nodeId: NODE,
+    poolName: 'test',
+    maxVolumesPerNode: 8,
+    loopDirectIo: false,
+    volumes,
+    nodes,
+    host,
+    poolRoot: pool.root,
+  };
+  return { host, d, x: bindExec(noCommands, { log, deadline: Infinity }), volumes, root: pool.root };
+}
+
+const cap = (over: Partial<Capability> = {}): Capability => ({
+  accessType: 'mount',
+  mode: 'SINGLE_NODE_WRITER',
+  fsType: 'ext4',
+  mountFlags: [],
+  ...over,
+});
+
+let volumeCount = 0;
+
+/** A volume made the way CreateVolume makes one: a sparse image of SIZE bytes, then a "ready" record. */
+async function newVolume(
+  w: World,
+  opts: { fsType?: FsType; initialized?: boolean } = {},
+): Promise<{ id: string; image: string }> {
+  const name = `pv-${++volumeCount}`;
+  const id = volumeIdForName(name);
+  const now = new Date().toISOString();
+  const meta: VolumeMeta = {
+    format: 1,
+    id,
+    name,
+    state: 'creating',
+    capacityBytes: SIZE,
+    fsType: opts.fsType ?? 'ext4',
+    allocation: 'sparse',
+    capabilities: [cap()],
+    parameters: {},
+    mutableParameters: {},
+    requiredBytes: SIZE,
+    limitBytes: 0,
+    contentSource: null,
+    labels: {},
+    pool: 'test',
+    createdAt: now,
+    updatedAt: now,
+  };
+  await w.volumes.create(meta, async (image) => {
+    await createSparseImage(image, SIZE);
+    return { initialized: opts.initialized ?? false };
+  });
+  return { id, image: w.volumes.imagePath(id) };
+}
+
+const stage = (w: World, id: string, over: Partial<Capability> = {}) =>
+  stageVolume(w.d, w.x, { id, staging: STAGING, cap: cap(over), publishPool: undefined });
+const unstage = (w: World, id: string) => unstageVolume(w.d, w.x, { id, staging: STAGING });
+const publish = (w: World, id: string, over: Partial<Capability> = {}, readonly = false, target = TARGET) =>
+  publishVolume(w.d, w.x, { id, staging: STAGING, target, cap: cap(over), readonly });
+const unpublish = (w: World, id: string, target = TARGET) => unpublishVolume(w.d, w.x, { id, target });
+
+/** The gRPC code a call ends with ('OK' when it succeeds). */
+const codeOf = (p: Promise<unknown>): Promise<string> =>
+  p.then(
+    () => 'OK',
+    (err: unknown) => codeName(toStatus(err).code),
+  );
+
+/** What the host was asked to do while `p` ran, and how it ended. */
+async function during(w: World, p: () => Promise<unknown>): Promise<{ code: string; ops: string[] }> {
+  const from = w.host.ops.length;
+  const code = await codeOf(p());
+  return { code, ops: w.host.ops.slice(from) };
+}
+
+/** Nothing of the volume is left on the host or in its lease; the CO's staging directory is still there. */
+async function expectNothingLeft(w: World, id: string): Promise<void> {
+  expect([...w.host.attached.keys()]).toEqual([]);
+  expect(w.host.table).toEqual([]);
+  expect(await w.volumes.lease(id, NODE)).toBeUndefined();
+  expect(w.host.kindOf(TARGET)).toBe('absent');
+  expect(w.host.kindOf(STAGING)).toBe('directory');
+}
+
+const formats = (w: World): string[] => w.host.ops.filter((o) => o.startsWith('format'));
+
+function must<T>(v: T | undefined, what: string): T {
+  if (v === undefined) throw new Error(`${what} is missing`);
+  return v;
+}
+
+describe('NodeStageVolume', () => {
+  it('formats a fresh volume once, marks it initialized and mounts it', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    expect(w.host.ops).toEqual([
+      `attach ${image} rw`,
+      'flush /dev/loop0',
+      'probe /dev/loop0',
+      'format ext4 /dev/loop0',
+      `mkdir ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING}`,
+    ]);
+    expect(w.host.mountsAt(STAGING)).toMatchObject([
+      { source: '/dev/loop0', fsType: 'ext4', options: ['rw'] },
+    ]);
+    expect(await w.volumes.isInitialized(id)).toBe(true);
+    expect(await w.volumes.lease(id, NODE)).toMatchObject({ stagingPath: STAGING, accessType: 'mount' });
+  });
+
+  it('answers a second stage from the mount table, touching nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    expect(await during(w, () => stage(w, id))).toEqual({ code: 'OK', ops: [] });
+    expect(w.host.table).toHaveLength(1);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+  });
+
+  it('keeps the filesystem it made at the next stage: checks it, never formats again', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    await unstage(w, id);
+    expect(await during(w, () => stage(w, id))).toEqual({
+      code: 'OK',
+      ops: [
+        `attach ${image} rw`,
+        'flush /dev/loop0',
+        'probe /dev/loop0',
+        'check ext4 /dev/loop0',
+        `mkdir ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING}`,
+      ],
+    });
+    expect(formats(w)).toHaveLength(1);
+  });
+
+  it('formats a fresh read-only staging through a read-write attachment, then mounts it read-only', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id, { mode: 'SINGLE_NODE_READER_ONLY' });
+    expect(w.host.ops).toEqual([
+      `attach ${image} ro`,
+      'flush /dev/loop0',
+      'probe /dev/loop0',
+      'detach loop0',
+      `attach ${image} rw`,
+      'format ext4 /dev/loop0',
+      'detach loop0',
+      `attach ${image} ro`,
+      `mkdir ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING} -o ro,noload`,
+    ]);
+    expect(must(w.host.attached.get('loop0'), 'loop0').readOnly).toBe(true);
+    expect(w.host.mountsAt(STAGING)[0]?.options).toContain('ro');
+  });
+
+  it.each<[string, Partial<Capability>]>([
+    ['another filesystem', { fsType: 'xfs' }],
+    ['read-only access', { mode: 'SINGLE_NODE_READER_ONLY' }],
+    ['a read-only mount flag', { mountFlags: ['ro'] }],
+  ])('answers ALREADY_EXISTS to a stage at the same path with %s, touching nothing', async (_what, over) => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    expect(await during(w, () => stage(w, id, over))).toEqual({ code: 'ALREADY_EXISTS', ops: [] });
+    expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+
+  it('mounts again, and thaws, a device that a frozen unmounted filesystem still holds; no check, no format', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    // A pod went away during a snapshot: the staging mount went, its superblock stayed frozen.
+    await w.host.freeze(w.x, STAGING);
+    await w.host.unmountAll(w.x, STAGING);
+    expect(await w.host.claimed('/dev/loop0')).toBe(true);
+    expect(await during(w, () => stage(w, id))).toEqual({
+      code: 'OK',
+      ops: ['probe /dev/loop0', `mkdir ${STAGING}`, `mount ext4 /dev/loop0 ${STAGING}`, `thaw ${STAGING}`],
+    });
+    expect(w.host.frozen.size).toBe(0);
+  });
+
+  it.each<[FsType, string[]]>([
+    [
+      'ext4',
+      [
+        'check ext4 /dev/loop0',
+        'grow-offline /dev/loop0',
+        `mkdir ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING}`,
+      ],
+    ],
+    [
+      'xfs',
+      [
+        'check xfs /dev/loop0',
+        `mkdir ${STAGING}`,
+        `mount xfs /dev/loop0 ${STAGING} -o nouuid`,
+        'grow-online xfs /dev/loop0',
+      ],
+    ],
+  ])('grows a %s filesystem smaller than its grown image when it stages it', async (fsType, growth) => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { fsType });
+    await stage(w, id, { fsType });
+    await unstage(w, id);
+    await fs.truncate(image, 2 * SIZE);
+    const { code, ops } = await during(w, () => stage(w, id, { fsType }));
+    expect(code).toBe('OK');
+    expect(ops.slice(3)).toEqual(growth);
+    expect(w.host.content.get(image)).toEqual({ kind: 'filesystem', type: fsType, size: 2 * SIZE });
+  });
+});
+
+describe('what a device holds decides whether it is formatted', () => {
+  it.each<[string, ImageContent, boolean, Partial<Capability>]>([
+    ['another filesystem than asked for', { kind: 'filesystem', type: 'xfs', size: SIZE }, false, {}],
+    [
+      'a filesystem the driver does not serve',
+      { kind: 'filesystem', type: 'vfat', size: SIZE },
+      false,
+      { fsType: '' },
+    ],
+    ['a partition table', { kind: 'other', what: 'a dos partition table' }, false, {}],
+    ['an encrypted container', { kind: 'other', what: 'a crypto_LUKS signature (crypto)' }, true, {}],
+    ['no signature, on a volume that was initialized', { kind: 'blank' }, true, {}],
+  ])(
+    'refuses a device holding %s with FAILED_PRECONDITION, untouched',
+    async (_what, content, initialized, over) => {
+      const w = await world();
+      const { id, image } = await newVolume(w, { initialized });
+      w.host.content.set(image, content);
+      expect(await codeOf(stage(w, id, over))).toBe('FAILED_PRECONDITION');
+      expect(w.host.ops).toContain('probe /dev/loop0');
+      expect(formats(w)).toEqual([]);
+      expect(w.host.content.get(image)).toEqual(content);
+      expect(await w.volumes.isInitialized(id)).toBe(initialized);
+      await expectNothingLeft(w, id);
+    },
+  );
+
+  // Some pool filesystems report no allocated blocks for a file that holds data: the probe decides.
+  it.each<[string, ImageContent, Partial<Capability>, string]>([
+    ['keeps the ext4 it finds', { kind: 'filesystem', type: 'ext4', size: SIZE }, {}, 'OK'],
+    [
+      'keeps the xfs it finds when none was asked',
+      { kind: 'filesystem', type: 'xfs', size: SIZE },
+      { fsType: '' },
+      'OK',
+    ],
+    [
+      'refuses a gpt partition table',
+      { kind: 'other', what: 'a gpt partition table' },
+      {},
+      'FAILED_PRECONDITION',
+    ],
+  ])(
+    'with no allocated blocks but a signature, never formats the image: %s',
+    async (_what, content, over, code) => {
+      const w = await world();
+      const { id, image } = await newVolume(w);
+      expect(await allocatedBytes(image)).toBe(0);
+      w.host.content.set(image, content);
+      expect(await codeOf(stage(w, id, over))).toBe(code);
+      expect(w.host.ops).toContain('probe /dev/loop0');
+      expect(formats(w)).toEqual([]);
+      expect(w.host.content.get(image)).toEqual(content);
+      if (code === 'OK' && content.kind === 'filesystem') {
+        expect(w.host.mountsAt(STAGING)).toMatchObject([{ fsType: content.type }]);
+        expect(await w.volumes.isInitialized(id)).toBe(true);
+      }
+    },
+  );
+});
+
+describe('a stage that fails undoes what it did', () => {
+  it.each<[string, 'fresh' | 'formatted']>([
+    ['attach', 'fresh'],
+    ['flush', 'fresh'],
+    ['probe', 'fresh'],
+    ['format', 'fresh'],
+    ['mkdir', 'fresh'],
+    ['mount', 'fresh'],
+    ['check', 'formatted'],
+    ['mount', 'formatted'],
+  ])('when %s fails on a %s volume; a retry then stages it, formatting at most once', async (op, state) => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { initialized: state === 'formatted' });
+    if (state === 'formatted') w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE });
+    w.host.failNext(op);
+    expect(await codeOf(stage(w, id))).toBe('INTERNAL');
+    expect(w.host.ops.filter((o) => o.endsWith('(failed)'))).toEqual([expect.stringMatching(`^${op} `)]);
+    await expectNothingLeft(w, id);
+    // The marker and the disk agree: initialized exactly when a filesystem is there.
+    expect(await w.volumes.isInitialized(id)).toBe(w.host.content.get(image)?.kind === 'filesystem');
+
+    expect(await codeOf(stage(w, id))).toBe('OK');
+    expect(formats(w).filter((o) => !o.endsWith('(failed)')).length).toBeLessThanOrEqual(1);
+    expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+
+  it('reports FAILED_PRECONDITION when mkfs finds a signature the probe missed, and marks nothing', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    w.host.failNext('format', commandError('mkfs.ext4', '/dev/loop0 contains a xfs file system', 1));
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+    expect(w.host.content.get(image)).toBeUndefined();
+    expect(await w.volumes.isInitialized(id)).toBe(false);
+    await expectNothingLeft(w, id);
+  });
+
+  it('undoes the mount, the attachment and the lease when the caller gives up once it is mounted', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const caller = new AbortController();
+    const x = bindExec(noCommands, { log, signal: caller.signal, deadline: Infinity });
+    const mount = w.host.mount.bind(w.host);
+    w.host.mount = async (cx, m) => {
+      await mount(cx, m);
+      caller.abort();
+    };
+    const staged = stageVolume(w.d, x, { id, staging: STAGING, cap: cap(), publishPool: undefined });
+    expect(await codeOf(staged)).toBe('CANCELLED');
+    expect(w.host.ops.slice(-2)).toEqual([`umount ${STAGING}`, 'detach loop0']);
+    await expectNothingLeft(w, id);
+  });
+});
+
+describe('NodeUnstageVolume', () => {
+  it('unmounts, detaches and drops the lease; a second unstage touches nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    expect(await during(w, () => unstage(w, id))).toEqual({
+      code: 'OK',
+      ops: [`thaw ${STAGING}`, `umount ${STAGING}`, 'detach loop0'],
+    });
+    await expectNothingLeft(w, id);
+    expect(await during(w, () => unstage(w, id))).toEqual({ code: 'OK', ops: [] });
+  });
+
+  it('thaws a frozen filesystem before unmounting it, so no superblock is left holding the device', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await w.host.freeze(w.x, STAGING);
+    expect(await during(w, () => unstage(w, id))).toEqual({
+      code: 'OK',
+      ops: [`thaw ${STAGING}`, `umount ${STAGING}`, 'detach loop0'],
+    });
+    expect(w.host.heldElsewhere.size).toBe(0);
+    await expectNothingLeft(w, id);
+  });
+
+  it('refuses with FAILED_PRECONDITION while the volume is published, leaving it all in place', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    expect(await during(w, () => unstage(w, id))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect(w.host.table.map((m) => m.mountPoint)).toEqual([STAGING, TARGET]);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+    expect(await w.volumes.lease(id, NODE)).toBeDefined();
+  });
+
+  it.each([
+    ['by device and inode', true],
+    ['by the path sysfs shows, when identities cannot be read', false],
+  ])(
+    'finds its loop device %s after a new container sees another backing path',
+    async (_how, identityReadable) => {
+      const w = await world();
+      const { id } = await newVolume(w);
+      await stage(w, id);
+      // The path as the plugin that attached it saw it, in a mount namespace that is gone.
+      must(w.host.attached.get('loop0'), 'loop0').backingFile = `/volumes/${id}/disk.img`;
+      w.host.identityReadable = identityReadable;
+      expect(await during(w, () => unstage(w, id))).toEqual({
+        code: 'OK',
+        ops: [`thaw ${STAGING}`, `umount ${STAGING}`, 'detach loop0'],
+      });
+      await expectNothingLeft(w, id);
+    },
+  );
+
+  it('leaves a loop device whose path names the volume but whose backing file is another one', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    must(w.host.attached.get('loop0'), 'loop0').identity = { dev: '0:77', ino: '12' };
+    expect(await during(w, () => unstage(w, id))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect(w.host.mountsAt(STAGING)).toHaveLength(1);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+  });
+
+  it('refuses with FAILED_PRECONDITION a staging path that holds a foreign mount, and leaves it', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const foreign = w.host.addForeignMount(STAGING);
+    expect(await during(w, () => unstage(w, id))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect(w.host.table).toEqual([foreign]);
+  });
+});
+
+describe('NodePublishVolume', () => {
+  it('binds the staged filesystem at a target it creates; a second publish touches nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    expect(await during(w, () => publish(w, id))).toEqual({
+      code: 'OK',
+      ops: [`mkdir ${path.dirname(TARGET)}`, `mkdir ${TARGET}`, `bind ${STAGING} ${TARGET}`],
+    });
+    expect(w.host.mountsAt(TARGET)).toMatchObject([{ root: '/', source: '/dev/loop0', fsType: 'ext4' }]);
+    expect(await during(w, () => publish(w, id))).toEqual({ code: 'OK', ops: [] });
+  });
+
+  it.each([
+    ['util-linux keeps them', false],
+    ['util-linux drops them, so the bind is remounted', true],
+  ])(
+    "publishes read-only with the staging mount's nosuid, nodev and noexec when %s",
+    async (_how, dropped) => {
+      const w = await world();
+      const { id } = await newVolume(w);
+      await stage(w, id, { mountFlags: ['nosuid', 'nodev', 'noexec'] });
+      w.host.bindDropsFlags = dropped;
+      const { code, ops } = await during(w, () => publish(w, id, {}, true));
+      expect(code).toBe('OK');
+      expect(ops).toContain(`bind ${STAGING} ${TARGET} -o ro,nosuid,nodev,noexec`);
+      expect(ops.includes(`remount ${TARGET} -o ro,nosuid,nodev,noexec`)).toBe(dropped);
+      expect(w.host.mountsAt(TARGET)[0]?.options).toEqual(['ro', 'nosuid', 'nodev', 'noexec']);
+      expect(w.host.mountsAt(STAGING)[0]?.options).toEqual(['rw', 'nosuid', 'nodev', 'noexec']);
+    },
+  );
+
+  it.each<[string, boolean]>([
+    ['mkdir', false],
+    ['bind', false],
+    ['remount', true],
+  ])('undoes the target when %s fails, leaving the staging as it was', async (op, dropped) => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id, { mountFlags: ['nosuid'] });
+    const staged = structuredClone(w.host.table);
+    w.host.bindDropsFlags = dropped;
+    w.host.failNext(op);
+    expect(await codeOf(publish(w, id, {}, true))).toBe('INTERNAL');
+    expect(w.host.kindOf(TARGET)).toBe('absent');
+    expect(w.host.table).toEqual(staged);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+    expect(await w.volumes.lease(id, NODE)).toMatchObject({ stagingPath: STAGING });
+  });
+
+  it('undoes the read-only loop device and the target file of a block publish whose bind fails', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id, { accessType: 'block', fsType: '' });
+    w.host.failNext('bind');
+    const { code, ops } = await during(w, () => publish(w, id, { accessType: 'block', fsType: '' }, true));
+    expect(code).toBe('INTERNAL');
+    expect(ops).toEqual([
+      `mkdir ${path.dirname(TARGET)}`,
+      `create ${TARGET}`,
+      `attach ${image} ro`,
+      `bind /dev/loop1 ${TARGET} -o ro (failed)`,
+      'detach loop1',
+      `remove ${TARGET}`,
+    ]);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+    expect(w.host.table).toEqual([]);
+  });
+
+  it('refuses a second target of a single-node-writer volume with FAILED_PRECONDITION, creating nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    const second = `${path.dirname(TARGET)}-2/mount`;
+    expect(await during(w, () => publish(w, id, {}, false, second))).toEqual({
+      code: 'FAILED_PRECONDITION',
+      ops: [],
+    });
+    expect(w.host.kindOf(second)).toBe('absent');
+    expect(w.host.table.map((m) => m.mountPoint)).toEqual([STAGING, TARGET]);
+  });
+
+  it('refuses with INVALID_ARGUMENT a target that is a symlink, and binds nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    w.host.addPath(TARGET, { kind: 'symlink', target: '/srv/data' });
+    expect(await during(w, () => publish(w, id))).toEqual({ code: 'INVALID_ARGUMENT', ops: [] });
+    expect(w.host.kindOf(TARGET)).toBe('symlink');
+  });
+});
+
+describe('NodeUnpublishVolume', () => {
+  it('unmounts and removes the target; a second unpublish touches nothing', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    expect(await during(w, () => unpublish(w, id))).toEqual({
+      code: 'OK',
+      ops: [`umount ${TARGET}`, `remove ${TARGET}`],
+    });
+    expect(w.host.kindOf(TARGET)).toBe('absent');
+    expect(w.host.mountsAt(STAGING)).toHaveLength(1);
+    expect(await during(w, () => unpublish(w, id))).toEqual({ code: 'OK', ops: [] });
+  });
+
+  it('detaches the read-only loop device a block publish attached, and keeps the staged one', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const block: Partial<Capability> = { accessType: 'block', fsType: '' };
+    await stage(w, id, block);
+    await publish(w, id, block, true);
+    expect(w.host.mountsAt(TARGET)).toMatchObject([{ root: '/loop1', options: ['ro'] }]);
+    expect(await during(w, () => unpublish(w, id))).toEqual({
+      code: 'OK',
+      ops: [`umount ${TARGET}`, `remove ${TARGET}`, 'detach loop1'],
+    });
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+  });
+
+  it.each<[string, (root: string, id: string) => string]>([
+    ['the root', () => '/'],
+    ['the pool', (root) => root],
+    ["a volume's directory", (root, id) => `${root}/volumes/${id}`],
+    ["a volume's image", (root, id) => `${root}/volumes/${id}/disk.img`],
+    ['a directory holding the pool', (root) => path.dirname(root)],
+    ['a symlink into the pool', () => '/var/lib/kubelet/pods/pod-1/into-pool'],
+  ])('refuses %s with INVALID_ARGUMENT and removes nothing', async (_what, target) => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    w.host.addPath('/var/lib/kubelet/pods/pod-1/into-pool', { kind: 'symlink', target: `${w.root}/volumes` });
+    const before = structuredClone(w.host.table);
+    expect(await during(w, () => unpublish(w, id, target(w.root, id)))).toEqual({
+      code: 'INVALID_ARGUMENT',
+      ops: [],
+    });
+    expect(w.host.table).toEqual(before);
+    expect((await fs.stat(image)).size).toBe(SIZE);
+  });
+
+  it('refuses with FAILED_PRECONDITION a target holding a foreign mount, and leaves the mount', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    w.host.addPath(TARGET);
+    const foreign = w.host.addForeignMount(TARGET);
+    expect(await during(w, () => unpublish(w, id))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect(w.host.mountsAt(TARGET)).toEqual([foreign]);
+    expect(w.host.kindOf(TARGET)).toBe('directory');
+  });
+
+  it.each<[string, (host: FakeHost) => void, string]>([
+    [
+      'a file holding data',
+      (h) => {
+        h.addPath(TARGET, { kind: 'file', size: 10 });
+      },
+      'file',
+    ],
+    [
+      'a symlink',
+      (h) => {
+        h.addPath(TARGET, { kind: 'symlink', target: '/srv/data' });
+      },
+      'symlink',
+    ],
+    [
+      'a directory that is not empty',
+      (h) => {
+        h.addPath(`${TARGET}/notes.txt`, { kind: 'file', size: 3 });
+      },
+      'directory',
+    ],
+  ])('never removes %s (FAILED_PRECONDITION)', async (_what, put, kind) => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    w.host.addPath('/srv/data');
+    put(w.host);
+    expect(await during(w, () => unpublish(w, id))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect(w.host.kindOf(TARGET)).toBe(kind);
+    expect(w.host.kindOf('/srv/data')).toBe('directory');
+  });
+});
+
+describe('NodeGetVolumeStats', () => {
+  it('reports bytes and inodes of a healthy published volume', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    const used = Math.floor(SIZE / 10); // what the fake's statfs says
+    expect(await volumeStats(w.d, w.x, { id, volumePath: TARGET })).toEqual({
+      usage: [
+        { unit: 'BYTES', total: String(SIZE), available: String(SIZE - used), used: String(used) },
+        { unit: 'INODES', total: '1024', available: '1000', used: '24' },
+      ],
+      condition: { abnormal: false, message: 'The volume is attached, mounted and healthy.' },
+    });
+  });
+
+  it.each<[string, (w: World) => unknown, RegExp]>([
+    ['nothing is mounted at the path', (w) => w.host.unmountAll(w.x, TARGET), /not mounted/],
+    [
+      'the filesystem went read-only underneath',
+      (w) => (must(w.host.mountsAt(TARGET)[0], 'mount').superOptions = ['ro']),
+      /went read-only/,
+    ],
+    [
+      'the filesystem does not answer',
+      (w) => {
+        w.host.failNext('usage', Object.assign(new Error('I/O'), { code: 'EIO' }));
+      },
+      /does not answer \(EIO\)/,
+    ],
+    ['the loop device is gone', (w) => w.host.attached.delete('loop0'), /detached or backed by another file/],
+  ])('reports an abnormal condition when %s', async (_what, breakIt, message) => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    await breakIt(w);
+    const stats = await volumeStats(w.d, w.x, { id, volumePath: TARGET });
+    expect(stats.condition.abnormal).toBe(true);
+    expect(stats.condition.message).toMatch(message);
+  });
+
+  it.each<[string, string, (root: string) => string]>([
+    ['an absent path', 'NOT_FOUND', () => '/var/lib/kubelet/pods/pod-9/nothing'],
+    ['a relative path', 'NOT_FOUND', () => 'pods/pod-1'],
+    ['a path in the pool', 'INVALID_ARGUMENT', (root) => `${root}/volumes`],
+  ])('answers %s with %s', async (_what, code, volumePath) => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    expect(await codeOf(volumeStats(w.d, w.x, { id, volumePath: volumePath(w.root) }))).toBe(code);
+  });
+});
+
+describe('NodeExpandVolume', () => {
+  it('refreshes the loop device and grows the mounted filesystem to the grown image', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    await fs.truncate(image, 2 * SIZE);
+    let size = 0;
+    const { code, ops } = await during(w, async () => {
+      size = await expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 2 * SIZE });
+    });
+    expect({ code, ops, size }).toEqual({
+      code: 'OK',
+      ops: ['refresh loop0', 'grow-online ext4 /dev/loop0'],
+      size: 2 * SIZE,
+    });
+    expect((await w.host.usage(TARGET)).totalBytes).toBe(2 * SIZE);
+  });
+
+  it.each<[string, Partial<Capability>, (w: World) => unknown, number, string]>([
+    ['the image is smaller than asked for', {}, () => undefined, 4 * SIZE, 'FAILED_PRECONDITION'],
+    [
+      'the volume is mounted read-only',
+      { mode: 'SINGLE_NODE_READER_ONLY' },
+      () => undefined,
+      0,
+      'FAILED_PRECONDITION',
+    ],
+    [
+      'a mounted ext4 cannot be grown here',
+      {},
+      (w) => {
+        w.host.failNext('grow-online', new OnlineGrowthUnsupported('needs CAP_SYS_RESOURCE'));
+      },
+      0,
+      'FAILED_PRECONDITION',
+    ],
+    ['nothing is mounted at the path', {}, (w) => w.host.unmountAll(w.x, TARGET), 0, 'NOT_FOUND'],
+  ])('refuses when %s, leaving the filesystem as it was', async (_what, over, setup, required, code) => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id, over);
+    await publish(w, id, over);
+    await fs.truncate(image, 2 * SIZE);
+    await setup(w);
+    expect(await codeOf(expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: required }))).toBe(
+      code,
+    );
+    expect(w.host.content.get(image)).toEqual({ kind: 'filesystem', type: 'ext4', size: SIZE });
+  });
+});
