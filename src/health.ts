@@ -32,8 +32,6 @@ export function toolsFor(mode: Mode): string[] {
 /** Tools found once stay found (a package is not uninstalled under a running driver); missing ones are looked for again. */
 const found = new Set<string>();
 
-/** How long an answer is shared with the callers that ask after it (Probe is polled by several sidecars). */
-export const READINESS_REUSE_MS = 1_000;
 /** How long a readiness check may take before the answer is "not ready": a hung pool must not hang Probe. */
 export const READINESS_TIMEOUT_MS = 2_000;
 
@@ -48,13 +46,12 @@ async function check(pool: Pool, mode: Mode): Promise<string | undefined> {
 }
 
 /**
- * Whether this process can serve, shared among callers: one check runs at a time (a check stuck on a
- * hung pool filesystem is not started again and again, each holding a thread), its answer is reused
- * for READINESS_REUSE_MS, and a caller waits at most `timeoutMs` for it.
+ * Whether this process can serve, shared among callers: one check runs at a time and callers that ask
+ * meanwhile share its answer (a check stuck on a hung pool filesystem is not started again and again,
+ * each holding one of libuv's few threads), and a caller waits at most `timeoutMs` for it.
  */
 export class Readiness {
   private running: Promise<string | undefined> | undefined;
-  private last: { at: number; problem: string | undefined } | undefined;
 
   constructor(
     private readonly pool: Pool,
@@ -63,10 +60,8 @@ export class Readiness {
 
   /** A sentence saying why this process is not ready, or undefined when it is. */
   async problem(timeoutMs = READINESS_TIMEOUT_MS): Promise<string | undefined> {
-    if (this.last && performance.now() - this.last.at < READINESS_REUSE_MS) return this.last.problem;
     this.running ??= check(this.pool, this.mode).then(
       (problem) => {
-        this.last = { at: performance.now(), problem };
         this.running = undefined;
         return problem;
       },

@@ -12,7 +12,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
-import type { FileId } from './paths.js';
+import { type FileId, sameFile } from './paths.js';
 
 export interface LoopDevice {
   name: string;
@@ -64,23 +64,40 @@ export async function readLoop(name: string): Promise<LoopDevice | undefined> {
 }
 
 /** The backing file's name without the " (deleted)" the kernel adds once it is unlinked. */
-export const backingName = (l: LoopDevice): string =>
-  path.basename(
-    l.backingFile.endsWith(DELETED_SUFFIX) ? l.backingFile.slice(0, -DELETED_SUFFIX.length) : l.backingFile,
-  );
+/** The backing path as sysfs shows it, without the " (deleted)" that appears once the file is unlinked. */
+const shownPath = (l: LoopDevice): string =>
+  l.backingFile.endsWith(DELETED_SUFFIX) ? l.backingFile.slice(0, -DELETED_SUFFIX.length) : l.backingFile;
+
+/** The backing file's name. */
+export const backingName = (l: LoopDevice): string => path.basename(shownPath(l));
 
 export const isDeletedBacking = (l: LoopDevice): boolean => l.backingFile.endsWith(DELETED_SUFFIX);
+
+/**
+ * Whether `name` is still attached to the file `loop` was read with (not detached, nor detached and
+ * reused for another file since): by identity when it is known, else by the path sysfs shows.
+ */
+async function stillBacks(x: Exec, loop: LoopDevice): Promise<boolean> {
+  const now = await readLoop(loop.name);
+  if (!now) return false;
+  if (loop.backing) {
+    const id = (await backingIdentities(x, loop.path)).get(loop.name);
+    if (id) return sameFile(id, loop.backing);
+  }
+  return shownPath(now) === shownPath(loop);
+}
 
 interface LosetupJson {
   loopdevices?: { name?: string; 'back-maj:min'?: string; 'back-ino'?: number | string }[];
 }
 
-/** Backing identities of loop devices, from losetup (one process for all of them). */
-async function backingIdentities(x: Exec): Promise<Map<string, FileId>> {
+/** Backing identities of loop devices (all, or the one `device`), from losetup: one process for all. */
+async function backingIdentities(x: Exec, device?: string): Promise<Map<string, FileId>> {
   const out = new Map<string, FileId>();
   let stdout: string;
   try {
-    ({ stdout } = await x.run('losetup', ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO'], {
+    const args = ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO'];
+    ({ stdout } = await x.run('losetup', device ? [...args, device] : args, {
       timeoutMs: 30_000,
       quiet: true,
     }));
@@ -158,8 +175,7 @@ export async function attachLoop(
  */
 export async function detachLoop(x: Exec, loop: LoopDevice): Promise<boolean> {
   // The device may have been detached and reused for another file since it was read: leave that one.
-  const now = await readLoop(loop.name);
-  if (!now || now.backingFile !== loop.backingFile) return true;
+  if (!(await stillBacks(x, loop))) return true;
   try {
     await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
   } catch (err) {
@@ -169,7 +185,7 @@ export async function detachLoop(x: Exec, loop: LoopDevice): Promise<boolean> {
   // LOOP_CLR_FD is asynchronous while the device is open somewhere; give it a moment.
   for (let i = 0; i < 50; i++) {
     const still = await readLoop(loop.name);
-    if (!still || still.backingFile !== loop.backingFile) return true;
+    if (!still || shownPath(still) !== shownPath(loop)) return true;
     await new Promise((r) => setTimeout(r, 20));
   }
   x.log.warn(

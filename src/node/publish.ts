@@ -163,6 +163,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
         x.log.error({ err: e }, 'rollback step failed');
       });
     }
+    checkpoint(x); // a command killed because the caller gave up: say that, not "mount failed"
     if (err instanceof CommandError) {
       const why = mountErrorLine(err);
       throw broken(`Bind-mounting volume ${r.id} at ${target} failed${why ? `: ${why}` : ''}.`, err);

@@ -167,6 +167,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     try {
       await d.host.mount(x, { fsType, source: loop.path, target: staging, options });
     } catch (err) {
+      checkpoint(x); // a mount killed because the caller gave up: say that, not "mount failed"
       const flags = r.cap.mountFlags.length > 0 ? ` (mount flags: ${r.cap.mountFlags.join(',')})` : '';
       const why = mountErrorLine(err);
       throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);

@@ -15,6 +15,8 @@ import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, leaksUnder, MiB, scratchFilesystem, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
+/** Names unique to this run: a device another run left behind never matches one of ours. */
+const RUN = Date.now().toString(36);
 const writers: ChildProcess[] = [];
 afterAll(async () => {
   for (const w of writers) w.kill('SIGKILL');
@@ -118,7 +120,7 @@ describe.skipIf(!isRoot()).each([
       wrap: ['unshare', '--mount', '--propagation', 'private', '--'],
     });
     const res = await ctl.clients.controller.CreateVolume({
-      name: `pvc-consistent-${poolFs}`,
+      name: `pvc-consistent-${poolFs}-${RUN}`,
       capacity_range: { required_bytes: String(256 * MiB) },
       volume_capabilities: [cap],
     });
@@ -150,7 +152,7 @@ describe.skipIf(!isRoot()).each([
     await until(() => w.written() >= 400);
     const before = w.written();
     const snap = await ctl.clients.controller.CreateSnapshot({
-      name: `snap-${poolFs}`,
+      name: `snap-${poolFs}-${RUN}`,
       source_volume_id: id,
     });
     const at = w.written();
@@ -180,14 +182,15 @@ describe.skipIf(!isRoot()).each([
         socket: path.join(base, 'strict.sock'),
         extra: ['--freeze-budget=0'],
       });
+      const snapshotsBefore = await fs.readdir(path.join(ctl.poolDir, 'snapshots'));
       const e = await errorOf(
-        strict.clients.controller.CreateSnapshot({ name: 'snap-strict', source_volume_id: id }),
+        strict.clients.controller.CreateSnapshot({ name: `snap-strict-${RUN}`, source_volume_id: id }),
       );
       expect(e.code).toBe('FAILED_PRECONDITION');
       expect(e.details).toContain('node-2');
       expect(e.details).toMatch(/cannot reflink/);
       expect(e.details).toMatch(/Stop the workload/);
-      expect(await fs.readdir(path.join(ctl.poolDir, 'snapshots'))).not.toContain('snap-strict');
+      expect(await fs.readdir(path.join(ctl.poolDir, 'snapshots'))).toEqual(snapshotsBefore);
       await strict.stop();
     },
   );
@@ -205,7 +208,7 @@ describe.skipIf(!isRoot())('a pod that goes away during a long frozen copy', () 
     const d = await env.driver({ dir: base, extra: ['--freeze-budget=120'] });
     const cap = mountCap('ext4');
     const res = await d.clients.controller.CreateVolume({
-      name: 'pvc-frozen',
+      name: `pvc-frozen-${RUN}`,
       capacity_range: { required_bytes: String(2048 * MiB) },
       volume_capabilities: [cap],
     });
@@ -224,7 +227,7 @@ describe.skipIf(!isRoot())('a pod that goes away during a long frozen copy', () 
     await d.clients.node.NodeStageVolume(stageReq);
     await d.clients.node.NodePublishVolume(publishReq);
     await writeRandom(path.join(target, 'data.bin'), 768, 8);
-    const snapshot = d.clients.controller.CreateSnapshot({ name: 'snap-long', source_volume_id: id });
+    const snapshot = d.clients.controller.CreateSnapshot({ name: `snap-long-${RUN}`, source_volume_id: id });
     expect(await d.waitForLog((l) => l.includes('froze a filesystem for a copy'))).toBe(true);
     await new Promise((r) => setTimeout(r, 400));
     // The kubelet tears the pod down now, and retries what is refused.

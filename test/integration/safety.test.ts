@@ -16,6 +16,8 @@ import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
+/** Names unique to this run: a device another run left behind never matches one of ours. */
+const RUN = Date.now().toString(36);
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
@@ -104,7 +106,7 @@ describe.skipIf(!isRoot())('a node plugin replaced by one that sees the pool at 
       ],
     });
     const cap = mountCap('ext4');
-    const { id, image } = await createVolume(ctl, 'pvc-replaced', cap, 64 * MiB);
+    const { id, image } = await createVolume(ctl, `pvc-replaced-${RUN}`, cap, 64 * MiB);
     const staging = path.join(base, 'kubelet', 'staging', id);
     const target = path.join(base, 'kubelet', 'pods', 'p1', 'mount');
     await stage(old, id, staging, cap);
@@ -146,7 +148,7 @@ describe.skipIf(!isRoot())('a node plugin replaced by one that sees the pool at 
     const base = await env.dir('attached');
     const d = await env.driver({ dir: base });
     const cap = blockCap();
-    const { id, image } = await createVolume(d, 'pvc-attached', cap, 16 * MiB);
+    const { id, image } = await createVolume(d, `pvc-attached-${RUN}`, cap, 16 * MiB);
     const staging = path.join(base, 'staging');
     await stage(d, id, staging, cap);
     // The records are lost (an operator, a bug): only the host still knows.
@@ -176,7 +178,7 @@ describe.skipIf(!isRoot())('node paths a caller must not be able to use', () => 
   beforeAll(async () => {
     base = await env.dir('paths');
     d = await env.driver({ dir: base });
-    ({ id, image } = await createVolume(d, 'pvc-paths', cap, 32 * MiB));
+    ({ id, image } = await createVolume(d, `pvc-paths-${RUN}`, cap, 32 * MiB));
     staging = path.join(base, 'staging');
     await stage(d, id, staging, cap);
     outside = path.join(base, 'elsewhere');
@@ -277,7 +279,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
   it('quarantines a volume whose meta.json does not parse instead of discarding it on a retry', async () => {
     const cap = mountCap('ext4');
     const res = await d.clients.controller.CreateVolume({
-      name: 'pvc-torn',
+      name: `pvc-torn-${RUN}`,
       capacity_range: { required_bytes: String(16 * MiB) },
       volume_capabilities: [cap],
     });
@@ -289,7 +291,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
     // The CO retries the create (or a second provisioner does): the data must not go.
     const e = await errorOf(
       d.clients.controller.CreateVolume({
-        name: 'pvc-torn',
+        name: `pvc-torn-${RUN}`,
         capacity_range: { required_bytes: String(16 * MiB) },
         volume_capabilities: [cap],
       }),
@@ -310,7 +312,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
     expect(
       await codeOf(
         d.clients.controller.CreateVolume({
-          name: 'pvc-torn',
+          name: `pvc-torn-${RUN}`,
           capacity_range: { required_bytes: String(16 * MiB) },
           volume_capabilities: [cap],
         }),
@@ -329,24 +331,24 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
           volume_capabilities: [cap],
         })
       ).volume?.volume_id ?? '';
-    const a = await mk('pvc-del-damaged');
+    const a = await mk(`pvc-del-damaged-${RUN}`);
     await fs.writeFile(path.join(d.poolDir, 'volumes', a, 'meta.json'), 'not json');
     const e = await errorOf(d.clients.controller.DeleteVolume({ volume_id: a }));
     expect(e.code).toBe('FAILED_PRECONDITION');
     expect(e.details).toContain(quarantine());
     await d.clients.controller.DeleteVolume({ volume_id: a }); // gone from the pool now: OK
 
-    const b = await mk('pvc-no-record');
+    const b = await mk(`pvc-no-record-${RUN}`);
     await fs.rm(path.join(d.poolDir, 'volumes', b, 'meta.json'));
     expect(await codeOf(d.clients.controller.DeleteVolume({ volume_id: b }))).toBe('FAILED_PRECONDITION');
 
-    const c = await mk('pvc-snap-src');
+    const c = await mk(`pvc-snap-src-${RUN}`);
     const snap =
-      (await d.clients.controller.CreateSnapshot({ name: 'snap-damaged', source_volume_id: c })).snapshot
-        ?.snapshot_id ?? '';
+      (await d.clients.controller.CreateSnapshot({ name: `snap-damaged-${RUN}`, source_volume_id: c }))
+        .snapshot?.snapshot_id ?? '';
     await fs.writeFile(path.join(d.poolDir, 'snapshots', snap, 'meta.json'), '[]');
     expect(
-      await codeOf(d.clients.controller.CreateSnapshot({ name: 'snap-damaged', source_volume_id: c })),
+      await codeOf(d.clients.controller.CreateSnapshot({ name: `snap-damaged-${RUN}`, source_volume_id: c })),
     ).toBe('FAILED_PRECONDITION');
     expect(await exists(path.join(d.poolDir, 'snapshots', snap))).toBe(false);
 
@@ -359,7 +361,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
 
   it('treats a lease it cannot read as held: the volume is not deleted', async () => {
     const cap = blockCap();
-    const { id, image } = await createVolume(d, 'pvc-lease-damaged', cap, 8 * MiB);
+    const { id, image } = await createVolume(d, `pvc-lease-damaged-${RUN}`, cap, 8 * MiB);
     await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
     await fs.mkdir(path.join(d.poolDir, 'volumes', id, 'leases'), { recursive: true });
     await fs.writeFile(path.join(d.poolDir, 'volumes', id, 'leases', 'node-9.json'), '{');
@@ -401,7 +403,7 @@ describe.skipIf(!isRoot())('a caller that gives up half-way', () => {
     const base = await env.dir('cancel');
     const d = await env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: `${point}:1500` } });
     const cap = mountCap('ext4');
-    const { id, image } = await createVolume(d, `pvc-${point.replace(':', '-')}`, cap, 32 * MiB);
+    const { id, image } = await createVolume(d, `pvc-${point.replace(':', '-')}-${RUN}`, cap, 32 * MiB);
     const staging = path.join(base, 'staging');
     const target = path.join(base, 'pod', 'mount');
     await fs.mkdir(staging, { recursive: true });
@@ -474,7 +476,7 @@ describe.skipIf(!isRoot())('a device that carries a signature, on a pool that hi
     'never formats an image carrying %s when %j is asked for',
     async (sig, req) => {
       const cap = mountCap(req);
-      const { id, image } = await createVolume(d, `pvc-sig-${sig}-${req || 'none'}`, cap, 320 * MiB);
+      const { id, image } = await createVolume(d, `pvc-sig-${sig}-${req || 'none'}-${RUN}`, cap, 320 * MiB);
       await sign(image, sig);
       const uuid = (): string => sh('blkid', ['-p', '-o', 'export', image]);
       const before = uuid();
@@ -508,7 +510,7 @@ describe.skipIf(!isRoot())('btrfs at its smallest size', () => {
     const d = await env.driver({ dir: base });
     const cap = mountCap('btrfs');
     const res = await d.clients.controller.CreateVolume({
-      name: 'pvc-btrfs-min',
+      name: `pvc-btrfs-min-${RUN}`,
       capacity_range: { required_bytes: '1' },
       volume_capabilities: [cap],
     });
@@ -552,7 +554,7 @@ describe.skipIf(!isRoot())('two nodes staging a fresh multi-reader volume at the
     const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
     for (let round = 0; round < 6; round++) {
       const res = await d.clients.controller.CreateVolume({
-        name: `pvc-race-${round}`,
+        name: `pvc-race-${round}-${RUN}`,
         capacity_range: { required_bytes: String(64 * MiB) },
         volume_capabilities: [cap],
       });
