@@ -25,6 +25,7 @@ export interface Config {
   loopDirectIo: boolean;
   shutdownTimeoutMs: number;
   freezeBudgetMs: number;
+  createPool: boolean;
 }
 
 export const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
@@ -61,7 +62,13 @@ export const FLAGS: readonly FlagSpec[] = [
     name: 'pool-dir',
     value: 'DIR',
     default: '/var/lib/loopvol/pool',
-    help: 'directory that holds the pool (created if missing)',
+    help: 'directory that holds the pool',
+  },
+  {
+    name: 'create-pool',
+    value: 'true|false',
+    default: 'true',
+    help: 'create a pool in --pool-dir when none is there; false for shared pools, so a filesystem that is not mounted never becomes a second, empty pool',
   },
   {
     name: 'pool-name',
@@ -122,7 +129,8 @@ export function helpText(): string {
     return `  ${left}  ${f.help}${def}`;
   });
   return [
-    'Usage: loopvol [flags]',
+    'Usage: loopvol [flags]            serve CSI on --endpoint',
+    '       loopvol create-pool --pool-dir=DIR   create a pool once (see loopvol create-pool --help)',
     '',
     'loopvol is a CSI driver that turns a directory into a pool of loop-device volumes.',
     '',
@@ -278,6 +286,10 @@ export function parseConfig(argv: readonly string[]): ParseResult {
     throw new ConfigError(`--shutdown-timeout ${shutdownText}: must be whole seconds from 0 to 3600`);
   }
 
+  const createText = get('create-pool');
+  if (createText !== 'true' && createText !== 'false') {
+    throw new ConfigError(`--create-pool ${createText}: must be true or false`);
+  }
   const budgetText = get('freeze-budget');
   const budgetSeconds = /^\d+(\.\d+)?$/.test(budgetText) ? Number(budgetText) : NaN;
   if (!(budgetSeconds >= 0) || budgetSeconds > 3600) {
@@ -301,6 +313,7 @@ export function parseConfig(argv: readonly string[]): ParseResult {
       loopDirectIo: dio === 'on',
       shutdownTimeoutMs: shutdownSeconds * 1000,
       freezeBudgetMs: Math.round(budgetSeconds * 1000),
+      createPool: createText === 'true',
     },
   };
 }

@@ -1,6 +1,10 @@
 /**
  * Wires one driver process: the pool, the services its --mode serves, the gRPC server on the endpoint,
  * and the optional metrics server; and takes them down again.
+ *
+ * With --create-pool=false a process may start before its pool exists (a shared filesystem not yet
+ * mounted): it serves Identity, with Probe saying what is missing, answers every other call with
+ * FAILED_PRECONDITION, looks for the pool every few seconds, and serves it as soon as it appears.
  */
 import type http from 'node:http';
 import os from 'node:os';
@@ -10,26 +14,27 @@ import { type Config, servesController, servesNode } from './config.js';
 import { controllerService } from './csi/controller.js';
 import { groupService } from './csi/group.js';
 import { identityService } from './csi/identity.js';
-import { nodeService } from './csi/node.js';
-import { csiProto } from './server/proto.js';
+import { nodeService, POOL_ID_KEY } from './csi/node.js';
+import { failedPrecondition } from './errors.js';
 import { bindExec, type Exec, ExecRunner, type Runner } from './exec/runner.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
 import type { GroupControllerHandlers } from './gen/csi/v1/GroupController.js';
 import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
-import { Readiness } from './health.js';
-import { Metrics, serveMetrics } from './metrics.js';
+import { type PoolState, Readiness } from './health.js';
 import { kernelHost, loopsBackedBy } from './host/host.js';
+import { Metrics, serveMetrics } from './metrics.js';
 import type { NodeDeps } from './node/on-host.js';
 import { QuiesceAgent, thawLeftovers } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
 import { NodeRegistry } from './pool/nodes.js';
-import { Pool } from './pool/pool.js';
-import { SnapshotStore } from './pool/snapshots.js';
+import { Pool, PoolMissing } from './pool/pool.js';
 import { QuiesceBoard } from './pool/quiesce.js';
+import { SnapshotStore } from './pool/snapshots.js';
 import { VolumeStore } from './pool/volumes.js';
-import { buildService, type CallDeps } from './server/call.js';
+import { buildService, type CallDeps, method, type Methods } from './server/call.js';
 import { InFlight } from './server/inflight.js';
+import { csiProto } from './server/proto.js';
 import { listen, stop } from './server/server.js';
 import { driverVersion } from './version.js';
 
@@ -40,15 +45,101 @@ export function startupContext(log: Logger, runner: Runner): Exec {
 
 /** How long a controller waits for a node to answer a request to freeze a volume. */
 const FREEZE_WAIT_MS = 10_000;
+/** How often a process without its pool looks for it. */
+const POOL_POLL_MS = 2_000;
 
 export interface DriverOptions {
   runner?: Runner;
 }
 
 export interface RunningDriver {
-  readonly pool: Pool;
   readonly inFlightCalls: () => number;
   stop(): Promise<void>;
+}
+
+/** What serving a pool takes: its services' methods, and what must stop with the process. */
+interface Serving {
+  pool: Pool;
+  controller: Methods<ControllerHandlers>;
+  group: Methods<GroupControllerHandlers>;
+  node: Methods<NodeHandlers>;
+  agent: QuiesceAgent | undefined;
+}
+
+/** Builds the stores and services over an open pool; a node plugin also registers and starts answering freezes. */
+async function serve(
+  config: Config,
+  pool: Pool,
+  log: Logger,
+  runner: Runner,
+  inflight: InFlight,
+): Promise<Serving> {
+  const capacity = new Capacity(pool.layout, config.overcommitRatio);
+  const nodes = new NodeRegistry(pool.layout);
+  const volumes = new VolumeStore(pool, capacity, nodes, log);
+  const snapshots = new SnapshotStore(pool, log);
+  const board = new QuiesceBoard(pool);
+  const startup = startupContext(log, runner);
+  const out: Serving = { pool, controller: {}, group: {}, node: {}, agent: undefined };
+  const quarantined = await pool.quarantined();
+  if (quarantined.length > 0) {
+    log.warn(
+      { quarantined: quarantined.map((q) => `${pool.layout.quarantineDir}/${q}`) },
+      'the pool holds quarantined records (unreadable, kept instead of deleted); an operator must restore or remove them',
+    );
+  }
+  if (servesController(config)) {
+    const copy = {
+      pool,
+      volumes,
+      board,
+      freezeBudgetMs: config.freezeBudgetMs,
+      freezeWaitMs: FREEZE_WAIT_MS,
+      requester: `controller on ${os.hostname()}`,
+    };
+    const inUseHere = async (image: string): Promise<string | undefined> => {
+      const loops = await loopsBackedBy(kernelHost, startup, image);
+      return loops.length > 0 ? `attached as ${loops.map((l) => l.path).join(', ')}` : undefined;
+    };
+    out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
+    out.group = groupService({ ...copy, snapshots });
+  }
+  if (servesNode(config)) {
+    const nodeId = config.nodeId;
+    if (nodeId === undefined) throw new Error('the node service needs --nodeid');
+    await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
+    const nodeDeps: NodeDeps = {
+      nodeId,
+      poolName: config.poolName,
+      poolId: pool.id,
+      maxVolumesPerNode: config.maxVolumesPerNode,
+      loopDirectIo: config.loopDirectIo,
+      volumes,
+      nodes,
+      host: kernelHost,
+      poolRoot: pool.root,
+    };
+    await thawLeftovers(nodeDeps, startup);
+    out.agent = new QuiesceAgent(nodeDeps, board, inflight, runner, log);
+    await out.agent.start();
+    out.node = nodeService(nodeDeps);
+  }
+  return out;
+}
+
+/** Every method of `definition` answering FAILED_PRECONDITION with `why` (no pool here yet). */
+function refusing<H>(definition: grpc.ServiceDefinition, why: () => string): Methods<H> {
+  const table: Record<string, unknown> = {};
+  for (const name of Object.keys(definition)) {
+    table[name] = method<{ volume_context?: Record<string, string> }, never, string>({
+      validate: (req) => {
+        const wanted = req.volume_context?.[POOL_ID_KEY];
+        return wanted ? `${why()} (volume of pool ${wanted})` : why();
+      },
+      run: (msg) => Promise.reject(failedPrecondition(`${msg}.`)),
+    });
+  }
+  return table as Methods<H>;
 }
 
 export async function startDriver(
@@ -58,22 +149,29 @@ export async function startDriver(
 ): Promise<RunningDriver> {
   // A node plugin's successor on the same host (a new container) takes over its locks at once.
   const role = servesNode(config) && config.nodeId !== undefined ? `node:${config.nodeId}` : undefined;
-  const pool = await Pool.open(config.poolDir, config.poolName, log, role ? { role } : {});
+  const openOptions = { create: config.createPool, lock: role ? { role } : {} };
   const runner = options.runner ?? new ExecRunner();
   const inflight = new InFlight();
+  let state: PoolState;
+  try {
+    state = await Pool.open(config.poolDir, config.poolName, log, openOptions);
+  } catch (err) {
+    if (!(err instanceof PoolMissing)) throw err;
+    state = { missing: err.message.replace(/\.$/, '') };
+    log.warn({ pool: config.poolDir }, err.message);
+  }
+  let serving: Serving | undefined =
+    state instanceof Pool ? await serve(config, state, log, runner, inflight) : undefined;
+
   const capacityProbe = servesController(config)
-    ? () => new Capacity(pool.layout, config.overcommitRatio).report()
+    ? () =>
+        serving
+          ? new Capacity(serving.pool.layout, config.overcommitRatio).report()
+          : Promise.resolve({ totalBytes: 0, availableBytes: 0, freeBytes: 0 })
     : undefined;
   const metrics = config.metricsAddress
-    ? new Metrics(capacityProbe, async () => (await pool.quarantined()).length)
+    ? new Metrics(capacityProbe, async () => (serving ? (await serving.pool.quarantined()).length : 0))
     : undefined;
-  const quarantined = await pool.quarantined();
-  if (quarantined.length > 0) {
-    log.warn(
-      { quarantined: quarantined.map((q) => `${pool.layout.quarantineDir}/${q}`) },
-      'the pool holds quarantined records (unreadable, kept instead of deleted); an operator must restore or remove them',
-    );
-  }
   let active = 0;
   const deps: CallDeps = {
     log,
@@ -90,8 +188,9 @@ export async function startDriver(
     },
   };
 
-  const readiness = new Readiness(pool, config.mode);
+  const readiness = new Readiness(() => serving?.pool ?? state, config.mode);
   const proto = csiProto().csi.v1;
+  const why = (): string => ('missing' in state ? state.missing : 'The pool is not open yet');
   const server = new grpc.Server({ 'grpc.max_receive_message_length': 4 * 1024 * 1024 });
   server.addService(
     proto.Identity.service,
@@ -102,57 +201,57 @@ export async function startDriver(
       deps,
     ),
   );
-  const capacity = new Capacity(pool.layout, config.overcommitRatio);
-  const nodes = new NodeRegistry(pool.layout);
-  const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log);
-  const board = new QuiesceBoard(pool);
-  const startup = startupContext(log, runner);
-  let agent: QuiesceAgent | undefined;
   if (servesController(config)) {
-    const copy = {
-      pool,
-      volumes,
-      board,
-      freezeBudgetMs: config.freezeBudgetMs,
-      freezeWaitMs: FREEZE_WAIT_MS,
-      requester: `controller on ${os.hostname()}`,
-    };
-    const inUseHere = async (image: string): Promise<string | undefined> => {
-      const loops = await loopsBackedBy(kernelHost, startup, image);
-      return loops.length > 0 ? `attached as ${loops.map((l) => l.path).join(', ')}` : undefined;
-    };
-    const controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
-    const group = groupService({ ...copy, snapshots });
+    const waitingController = refusing<ControllerHandlers>(proto.Controller.service, why);
+    const waitingGroup = refusing<GroupControllerHandlers>(proto.GroupController.service, why);
     server.addService(
       proto.Controller.service,
-      buildService<ControllerHandlers>('Controller', proto.Controller.service, controller, deps),
+      buildService<ControllerHandlers>(
+        'Controller',
+        proto.Controller.service,
+        () => serving?.controller ?? waitingController,
+        deps,
+      ),
     );
     server.addService(
       proto.GroupController.service,
-      buildService<GroupControllerHandlers>('GroupController', proto.GroupController.service, group, deps),
+      buildService<GroupControllerHandlers>(
+        'GroupController',
+        proto.GroupController.service,
+        () => serving?.group ?? waitingGroup,
+        deps,
+      ),
     );
   }
   if (servesNode(config)) {
-    const nodeId = config.nodeId;
-    if (nodeId === undefined) throw new Error('the node service needs --nodeid');
-    await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
-    const nodeDeps: NodeDeps = {
-      nodeId,
-      poolName: config.poolName,
-      maxVolumesPerNode: config.maxVolumesPerNode,
-      loopDirectIo: config.loopDirectIo,
-      volumes,
-      nodes,
-      host: kernelHost,
-      poolRoot: pool.root,
-    };
-    await thawLeftovers(nodeDeps, startup);
-    agent = new QuiesceAgent(nodeDeps, board, inflight, runner, log);
-    await agent.start();
-    const node = nodeService(nodeDeps);
-    server.addService(proto.Node.service, buildService<NodeHandlers>('Node', proto.Node.service, node, deps));
+    const waitingNode = refusing<NodeHandlers>(proto.Node.service, why);
+    server.addService(
+      proto.Node.service,
+      buildService<NodeHandlers>('Node', proto.Node.service, () => serving?.node ?? waitingNode, deps),
+    );
   }
+
+  // Without its pool, look for it until it appears; then serve it, without a restart.
+  let stopped = false;
+  let looking: Promise<void> | undefined;
+  const lookForPool = (): void => {
+    const timer = setTimeout(() => {
+      looking = (async () => {
+        if (stopped || serving) return;
+        try {
+          const pool = await Pool.open(config.poolDir, config.poolName, log, openOptions);
+          state = pool;
+          serving = await serve(config, pool, log, runner, inflight);
+          log.info({ pool: pool.root, id: pool.id }, 'the pool appeared; serving it');
+        } catch (err) {
+          if (!(err instanceof PoolMissing)) log.warn({ err }, 'the pool is there but cannot be opened yet');
+          lookForPool();
+        }
+      })();
+    }, POOL_POLL_MS);
+    timer.unref();
+  };
+  if (!serving) lookForPool();
 
   await listen(server, config.endpoint, log);
   let metricsServer: http.Server | undefined;
@@ -162,22 +261,24 @@ export async function startDriver(
   log.info(
     {
       endpoint: config.endpoint,
-      pool: pool.root,
+      pool: serving?.pool.root ?? config.poolDir,
+      poolId: serving?.pool.id,
       poolName: config.poolName,
       version: driverVersion(),
       metrics: config.metricsAddress,
     },
-    'loopvol is serving',
+    serving ? 'loopvol is serving' : 'loopvol is serving Identity only, waiting for its pool',
   );
 
   return {
-    pool,
     inFlightCalls: () => active,
     async stop() {
+      stopped = true;
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
-      await agent?.stop();
+      await looking;
+      await serving?.agent?.stop();
     },
   };
 }

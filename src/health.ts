@@ -35,9 +35,15 @@ const found = new Set<string>();
 /** How long a readiness check may take before the answer is "not ready": a hung pool must not hang Probe. */
 export const READINESS_TIMEOUT_MS = 2_000;
 
-async function check(pool: Pool, mode: Mode): Promise<string | undefined> {
+/** The pool this process serves, or why it has none yet. */
+export type PoolState = Pool | { missing: string };
+
+async function check(state: PoolState, mode: Mode): Promise<string | undefined> {
   const unchecked = toolsFor(mode).filter((t) => !found.has(t));
-  const [poolProblem, missing] = await Promise.all([pool.checkUsable(), missingTools(unchecked)]);
+  const [poolProblem, missing] = await Promise.all([
+    'missing' in state ? Promise.resolve(state.missing) : state.checkUsable(),
+    missingTools(unchecked),
+  ]);
   for (const t of unchecked) if (!missing.includes(t)) found.add(t);
   const problems: string[] = [];
   if (poolProblem) problems.push(poolProblem);
@@ -54,13 +60,14 @@ export class Readiness {
   private running: Promise<string | undefined> | undefined;
 
   constructor(
-    private readonly pool: Pool,
+    private readonly pool: () => PoolState,
     private readonly mode: Mode,
   ) {}
 
   /** A sentence saying why this process is not ready, or undefined when it is. */
   async problem(timeoutMs = READINESS_TIMEOUT_MS): Promise<string | undefined> {
-    this.running ??= check(this.pool, this.mode).then(
+    const state = this.pool();
+    this.running ??= check(state, this.mode).then(
       (problem) => {
         this.running = undefined;
         return problem;
@@ -74,7 +81,7 @@ export class Readiness {
     const late = new Promise<string>((resolve) => {
       timer = setTimeout(() => {
         resolve(
-          `The driver is not ready: the pool ${this.pool.root} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
+          `The driver is not ready: the pool ${'root' in state ? state.root : ''} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
         );
       }, timeoutMs);
     });
@@ -88,5 +95,5 @@ export class Readiness {
 
 /** A one-off readiness check (tests, tools). */
 export function readinessProblem(pool: Pool, mode: Mode): Promise<string | undefined> {
-  return new Readiness(pool, mode).problem();
+  return new Readiness(() => pool, mode).problem();
 }

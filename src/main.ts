@@ -1,5 +1,6 @@
 #!/usr/bin/env node
 /** loopvol: parse flags, start the driver, drain and exit on SIGTERM/SIGINT. */
+import { COMMANDS } from './cli.js';
 import { ConfigError, helpText, parseConfig } from './config.js';
 import { startDriver } from './driver.js';
 import { createLogger } from './log.js';
@@ -13,6 +14,22 @@ function fail(message: string, code: number): never {
 }
 
 async function main(): Promise<void> {
+  const [first, ...rest] = process.argv.slice(2);
+  if (first !== undefined && !first.startsWith('-')) {
+    const command = COMMANDS[first];
+    if (!command)
+      fail(`unknown command ${first}; the commands are ${Object.keys(COMMANDS).join(', ')} (see --help)`, 2);
+    if (rest.includes('--help') || rest.includes('-h')) {
+      process.stdout.write(command.usage);
+      return;
+    }
+    try {
+      process.exitCode = await command.run(rest);
+    } catch (err) {
+      fail(err instanceof Error ? err.message : String(err), err instanceof PoolError ? 1 : 2);
+    }
+    return;
+  }
   let parsed;
   try {
     parsed = parseConfig(process.argv.slice(2));

@@ -148,7 +148,11 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           node.maxVolumes,
         );
         return {
-          publish_context: { 'loopvol.csi.io/pool': poolName, 'loopvol.csi.io/readonly': String(v.readonly) },
+          publish_context: {
+            'loopvol.csi.io/pool': poolName,
+            'loopvol.csi.io/pool-id': d.pool.id,
+            'loopvol.csi.io/readonly': String(v.readonly),
+          },
         };
       },
     }),
@@ -222,7 +226,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       run: async ({ max, token }) => {
         const { volumes: page, next } = await volumes.list(token, max);
         const entries = await mapLimit(page, LIST_CONCURRENCY, async (meta) => ({
-          volume: volumeMessage(meta, poolName),
+          volume: volumeMessage(meta, poolName, d.pool.id),
           status: {
             published_node_ids: await publishedNodes(meta.id),
             volume_condition: await condition(meta),
@@ -239,7 +243,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         const meta = isVolumeId(id) ? await volumes.get(id) : undefined;
         if (!meta) throw notFound(`Volume ${id} does not exist.`);
         return {
-          volume: volumeMessage(meta, poolName),
+          volume: volumeMessage(meta, poolName, d.pool.id),
           status: { published_node_ids: await publishedNodes(id), volume_condition: await condition(meta) },
         };
       },
@@ -256,6 +260,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       },
       quiet: true,
       run: async ({ req, minBytes, preallocated }) => {
+        await d.pool.assertPresent(); // never report the capacity of whatever disk is under an unmounted pool
         const here = !req.accessible_topology || req.accessible_topology.segments[TOPOLOGY_KEY] === poolName;
         const report = here ? await d.capacity.report() : undefined;
         const available = !report

@@ -177,7 +177,7 @@ export function createVolumeMethod(
         if (v.fsType && v.fsType !== existing.fsType) return `it was created for ${existing.fsType}`;
         return undefined;
       };
-      const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName) });
+      const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName, d.pool.id) });
 
       // A damaged record is not "existing": volumes.create quarantines it and says where it went.
       const found = await volumes.inspect(v.id);

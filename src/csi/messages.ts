@@ -19,11 +19,11 @@ export function contentSourceMessage(meta: VolumeMeta): VolumeContentSource | nu
     : { volume: { volume_id: meta.contentSource.id } };
 }
 
-export function volumeMessage(meta: VolumeMeta, poolName: string): Volume {
+export function volumeMessage(meta: VolumeMeta, poolName: string, poolId: string): Volume {
   return {
     volume_id: meta.id,
     capacity_bytes: String(meta.capacityBytes),
-    volume_context: { 'loopvol.csi.io/fstype': meta.fsType },
+    volume_context: { 'loopvol.csi.io/fstype': meta.fsType, 'loopvol.csi.io/pool-id': poolId },
     content_source: contentSourceMessage(meta),
     accessible_topology: [{ segments: { [TOPOLOGY_KEY]: poolName } }],
   };

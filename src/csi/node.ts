@@ -26,6 +26,8 @@ export const NODE_CAPABILITIES = [
 
 /** The publish context key that names the pool a volume was published from. */
 export const PUBLISH_POOL_KEY = 'loopvol.csi.io/pool';
+/** The volume (and publish) context key that carries the id of the volume's pool. */
+export const POOL_ID_KEY = 'loopvol.csi.io/pool-id';
 
 export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
   const locks = (v: { id: string }): string[] => [nodeKey(v.id)];
@@ -59,6 +61,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
         staging: requirePath(req.staging_target_path, 'staging_target_path'),
         cap: parseCapability(req.volume_capability, 'volume_capability'),
         publishPool: req.publish_context[PUBLISH_POOL_KEY],
+        poolId: req.volume_context[POOL_ID_KEY] ?? req.publish_context[POOL_ID_KEY],
       }),
       locks,
       run: async (v, ctx) => {

@@ -22,6 +22,8 @@ import type { VolumeStore } from '../pool/volumes.js';
 export interface NodeDeps {
   nodeId: string;
   poolName: string;
+  /** The id of the pool this node serves (pool.json): a volume of another pool is refused. */
+  poolId: string;
   maxVolumesPerNode: number;
   loopDirectIo: boolean;
   volumes: VolumeStore;

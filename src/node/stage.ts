@@ -36,6 +36,8 @@ export interface StageRequest {
   cap: Capability;
   /** The pool the controller published from (publish context), when it said. */
   publishPool: string | undefined;
+  /** The id of the volume's pool (volume or publish context), when it said. */
+  poolId: string | undefined;
 }
 
 /** Mount options for a staged filesystem. XFS always gets nouuid, so a clone mounts beside its source. */
@@ -60,6 +62,11 @@ export function stageMountOptions(fsType: FsType, readOnly: boolean, userFlags: 
 type Undo = (x: Exec) => Promise<unknown>;
 
 export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promise<void> {
+  if (r.poolId !== undefined && r.poolId !== d.poolId) {
+    throw conflict(
+      `Volume ${r.id} belongs to pool ${r.poolId}, but the pool at ${d.poolRoot} on this node is ${d.poolId}: is the right filesystem mounted there? Nothing was touched.`,
+    );
+  }
   const vol = await mustGetVolume(d, r.id);
   if (r.publishPool !== undefined && r.publishPool !== d.poolName) {
     throw conflict(

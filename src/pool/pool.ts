@@ -2,13 +2,13 @@
  * A pool directory: its layout version, its cross-process locks, and the trash through which deleted
  * volumes leave (a rename is the single atomic step that deletes; the space is freed after it).
  */
-import { randomBytes } from 'node:crypto';
+import { randomBytes, randomUUID } from 'node:crypto';
 import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { busy, errnoCode, unsafe } from '../errors.js';
+import { busy, errnoCode, unavailable, unsafe } from '../errors.js';
 import { failpoint } from '../failpoints.js';
 import {
   createExclusive,
@@ -46,6 +46,62 @@ export class PoolError extends Error {
   override readonly name = 'PoolError';
 }
 
+/** No pool at the path, and this process may not create one (--create-pool=false). */
+export class PoolMissing extends PoolError {}
+
+export interface OpenOptions {
+  /** Create a pool when there is none (default true). */
+  create?: boolean;
+  lock?: LockOptions;
+}
+
+async function formatProblem(layout: PoolLayout): Promise<string | undefined> {
+  let info: unknown;
+  try {
+    info = await readJson(layout.formatFile);
+  } catch {
+    return `${layout.formatFile} is not valid JSON`;
+  }
+  if (!isRecord(info) || typeof info.format !== 'number')
+    return `${layout.formatFile} is missing or has no format`;
+  if (info.format > POOL_FORMAT) {
+    return `the pool at ${layout.root} has layout format ${info.format}, newer than this driver's ${POOL_FORMAT}; upgrade the driver`;
+  }
+  if (info.format < 1) return `${layout.formatFile} has an unknown format ${info.format}`;
+  return undefined;
+}
+
+/**
+ * The pool's id, from pool.json. A pool made before pools had ids gets one, once: under a lock, so
+ * that processes opening it together agree, and never changed afterwards.
+ */
+async function ensureId(layout: PoolLayout, log: Logger): Promise<string> {
+  const read = async (): Promise<Record<string, unknown>> => {
+    const info = await readJson(layout.formatFile);
+    return isRecord(info) ? info : {};
+  };
+  const first = await read();
+  if (typeof first.id === 'string' && first.id !== '') return first.id;
+  const locks = new LockManager(layout.locksDir, log);
+  for (let attempt = 0; attempt < 100; attempt++) {
+    const got = await locks.tryAcquire('pool-id', 'give the pool an id');
+    if (isHeld(got)) {
+      try {
+        const info = await read();
+        if (typeof info.id === 'string' && info.id !== '') return info.id;
+        const id = randomUUID();
+        await writeFileAtomic(layout.formatFile, `${JSON.stringify({ ...info, id }, null, 2)}\n`);
+        log.info({ pool: layout.root, id }, 'gave a pool made by an older release its id');
+        return id;
+      } finally {
+        await got.release();
+      }
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  throw new PoolError(`could not give the pool at ${layout.root} an id (its pool-id lock stays busy)`);
+}
+
 export class Pool {
   readonly layout: PoolLayout;
   readonly locks: LockManager;
@@ -56,6 +112,7 @@ export class Pool {
 
   private constructor(
     readonly root: string,
+    readonly id: string,
     readonly name: string,
     readonly log: Logger,
     lockOptions: LockOptions,
@@ -64,18 +121,20 @@ export class Pool {
     this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
   }
 
-  /** Opens the pool at `dir`, creating it (and its format file) when it is new. */
-  static async open(dir: string, name: string, log: Logger, lockOptions: LockOptions = {}): Promise<Pool> {
+  /**
+   * Opens the pool at `dir`. With `create`, a directory without a pool gets a new one (its pool.json,
+   * written once, with an id that never changes); without, a missing pool is a PoolMissing error and
+   * nothing is made: a shared filesystem that is not mounted must never become a second, empty pool.
+   */
+  static async open(dir: string, name: string, log: Logger, options: OpenOptions = {}): Promise<Pool> {
     try {
-      return await Pool.openOrCreate(dir, name, log, lockOptions);
+      return await Pool.openOrCreate(dir, name, log, options);
     } catch (err) {
       if (err instanceof PoolError) throw err;
       const code = errnoCode(err);
       throw new PoolError(
         `cannot use ${dir} as the pool (${code ?? (err instanceof Error ? err.message : String(err))})`,
-        {
-          cause: err,
-        },
+        { cause: err },
       );
     }
   }
@@ -84,12 +143,28 @@ export class Pool {
     dir: string,
     name: string,
     log: Logger,
-    lockOptions: LockOptions,
+    options: OpenOptions,
   ): Promise<Pool> {
-    await fs.mkdir(dir, { recursive: true, mode: 0o750 });
+    const layout0 = new PoolLayout(dir);
+    if (options.create === false) {
+      if (!(await exists(layout0.formatFile))) {
+        throw new PoolMissing(
+          `There is no pool at ${dir} (no pool.json): is the shared filesystem mounted there? Create a pool once with: loopvol create-pool --pool-dir=${dir}`,
+        );
+      }
+    } else {
+      await fs.mkdir(dir, { recursive: true, mode: 0o750 });
+    }
     const root = await fs.realpath(dir);
-    const pool = new Pool(root, name, log, lockOptions);
-    const { layout } = pool;
+    const layout = new PoolLayout(root);
+    if (options.create !== false) {
+      // The format file first: whoever creates it (link(2), so one process wins) names the pool.
+      const created = await createExclusive(
+        layout.formatFile,
+        `${JSON.stringify({ format: POOL_FORMAT, id: randomUUID(), createdAt: new Date().toISOString(), createdBy: os.hostname() }, null, 2)}\n`,
+      );
+      if (created) log.info({ pool: root }, 'created a new pool');
+    }
     for (const sub of [
       layout.volumesDir,
       layout.snapshotsDir,
@@ -101,31 +176,34 @@ export class Pool {
     ]) {
       await fs.mkdir(sub, { recursive: true, mode: 0o750 });
     }
-    const created = await createExclusive(
-      layout.formatFile,
-      `${JSON.stringify({ format: POOL_FORMAT, createdAt: new Date().toISOString(), createdBy: os.hostname() }, null, 2)}\n`,
-    );
-    if (created) log.info({ pool: root }, 'initialized a new pool');
-    const problem = await pool.formatProblem();
+    const problem = await formatProblem(layout);
     if (problem) throw new PoolError(problem);
+    const id = await ensureId(layout, log);
+    const pool = new Pool(root, id, name, log, options.lock ?? {});
     await pool.sweepTrash();
     return pool;
   }
 
-  private async formatProblem(): Promise<string | undefined> {
+  /**
+   * Throws unless this pool is still there: its pool.json present and naming the same id. A shared
+   * filesystem unmounted under a running driver leaves an empty directory at the pool's path, where
+   * a listing would answer "nothing" and a delete "done".
+   */
+  async assertPresent(): Promise<void> {
     let info: unknown;
     try {
       info = await readJson(this.layout.formatFile);
-    } catch {
-      return `${this.layout.formatFile} is not valid JSON`;
+    } catch (err) {
+      throw unavailable(`The pool at ${this.root} cannot be read (${errnoCode(err) ?? String(err)}).`, err);
     }
-    if (!isRecord(info) || typeof info.format !== 'number')
-      return `${this.layout.formatFile} is missing or has no format`;
-    if (info.format > POOL_FORMAT) {
-      return `the pool at ${this.root} has layout format ${info.format}, newer than this driver's ${POOL_FORMAT}; upgrade the driver`;
+    if (info === undefined) {
+      throw unavailable(`The pool at ${this.root} is gone (no pool.json): is its filesystem still mounted?`);
     }
-    if (info.format < 1) return `${this.layout.formatFile} has an unknown format ${info.format}`;
-    return undefined;
+    if (!isRecord(info) || info.id !== this.id) {
+      throw unavailable(
+        `The pool at ${this.root} is another pool now (id ${isRecord(info) ? String(info.id) : '?'}, not ${this.id}).`,
+      );
+    }
   }
 
   /** Why the pool cannot be used right now, or undefined when it can (Probe and /healthz ask this). */
@@ -138,7 +216,14 @@ export class Pool {
     } catch (err) {
       return `the pool directory ${this.root} is not usable (${errnoCode(err) ?? String(err)})`;
     }
-    return this.formatProblem();
+    const problem = await formatProblem(this.layout);
+    if (problem) return problem;
+    try {
+      await this.assertPresent();
+    } catch (err) {
+      return err instanceof Error ? err.message.replace(/\.$/, '') : String(err);
+    }
+    return undefined;
   }
 
   /**
@@ -153,7 +238,11 @@ export class Pool {
     waitMs = LOCK_WAIT_MS,
   ): Promise<T> {
     const deadline = Date.now() + waitMs;
-    let got = await this.locks.tryAcquire(key, purpose);
+    let got = await this.locks.tryAcquire(key, purpose).catch(async (err: unknown) => {
+      // No locks/ directory: the pool itself may be gone (an unmounted shared filesystem). Say so.
+      if (errnoCode(err) === 'ENOENT') await this.assertPresent();
+      throw err;
+    });
     for (let pause = 2; !isHeld(got) && Date.now() < deadline; pause = Math.min(pause * 2, 50)) {
       await new Promise((r) => setTimeout(r, pause + Math.random() * pause));
       got = await this.locks.tryAcquire(key, purpose);

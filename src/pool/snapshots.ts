@@ -45,6 +45,7 @@ export class SnapshotStore {
   async read(id: string): Promise<SnapshotMeta | undefined> {
     const r = await this.inspect(id);
     if (r.state === 'damaged') throw damagedRecord(`snapshot ${id}`, r.reason);
+    if (r.state === 'absent') await this.pool.assertPresent(); // absent, or the pool is not mounted?
     return r.state === 'ok' ? r.value : undefined;
   }
 
@@ -85,6 +86,7 @@ export class SnapshotStore {
       const dir = this.layout.snapshotDir(id);
       await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id));
       await this.pool.refuseQuarantined(`snapshot ${id}`, id);
+      await this.pool.assertPresent();
       try {
         await fs.mkdir(dir, { mode: 0o750 });
         await fsyncDir(this.layout.snapshotsDir);
@@ -115,6 +117,7 @@ export class SnapshotStore {
     if (!isSnapshotId(id)) return;
     await this.pool.withLock(id, 'DeleteSnapshot', async () => {
       const record = await this.inspect(id);
+      if (record.state === 'absent') await this.pool.assertPresent(); // gone, or the pool not mounted?
       if (record.state !== 'ok') {
         // An unfinished copy goes; a snapshot whose record cannot be read is quarantined.
         await this.pool.clearLeftover(
@@ -145,6 +148,7 @@ export class SnapshotStore {
     max: number,
     filter: (s: SnapshotMeta) => boolean,
   ): Promise<{ snapshots: SnapshotMeta[]; next: string | undefined }> {
+    await this.pool.assertPresent();
     const ids = (await listDir(this.layout.snapshotsDir)).filter(isSnapshotId).sort();
     let i = after === undefined ? 0 : ids.findIndex((id) => id > after);
     if (i < 0) i = ids.length;

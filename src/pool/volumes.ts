@@ -69,6 +69,7 @@ export class VolumeStore extends VolumeFences {
   async read(id: string): Promise<VolumeMeta | undefined> {
     const r = await this.inspect(id);
     if (r.state === 'damaged') throw damagedRecord(`volume ${id}`, r.reason);
+    if (r.state === 'absent') await this.pool.assertPresent(); // absent, or the pool is not mounted?
     return r.state === 'ok' ? r.value : undefined;
   }
 
@@ -104,6 +105,7 @@ export class VolumeStore extends VolumeFences {
       const dir = this.layout.volumeDir(id);
       await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
       await this.pool.refuseQuarantined(`volume ${id}`, id);
+      await this.pool.assertPresent();
       const settle = await this.capacity.reserve(
         meta.capacityBytes,
         meta.allocation === 'preallocate' && !meta.contentSource ? 'preallocate' : 'sparse',
@@ -151,7 +153,10 @@ export class VolumeStore extends VolumeFences {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'DeleteVolume', async () => {
       const dir = this.layout.volumeDir(id);
-      if (!(await exists(dir))) return;
+      if (!(await exists(dir))) {
+        await this.pool.assertPresent(); // gone, or is the pool itself not mounted?
+        return;
+      }
       const record = await this.inspect(id);
       if (record.state !== 'ok') {
         // An unfinished creation goes; anything that may hold data is quarantined.
@@ -191,6 +196,7 @@ export class VolumeStore extends VolumeFences {
     after: string | undefined,
     max: number,
   ): Promise<{ volumes: VolumeMeta[]; next: string | undefined }> {
+    await this.pool.assertPresent();
     const ids = (await listDir(this.layout.volumesDir)).filter(isVolumeId).sort();
     let i = after === undefined ? 0 : ids.findIndex((id) => id > after);
     if (i < 0) i = ids.length;

@@ -110,12 +110,13 @@ function causeChain(err: unknown): unknown[] {
 export function unaryHandler<Req, Res>(
   service: string,
   name: string,
-  impl: Method<Req, Res> | undefined,
+  resolve: () => Method<Req, Res> | undefined,
   deps: CallDeps,
 ): UnaryHandler<Req, Res> {
   const redact = requestRedactor(service, name);
   const fullName = `${service}.${name}`;
   return (call, callback) => {
+    const impl = resolve();
     const started = performance.now();
     const reqId = randomBytes(6).toString('hex');
     const subject = subjectOf(call.request);
@@ -200,17 +201,22 @@ type ResOf<H> = H extends grpc.handleUnaryCall<infer _Req, infer Res> ? Res : ne
 /** The methods of a service we implement; the rest answer UNIMPLEMENTED. */
 export type Methods<H> = { [K in KnownKeys<H>]?: Method<ReqOf<H[K]>, ResOf<H[K]>> };
 
-/** Builds the grpc-js implementation object for a service: every method wrapped, none left to chance. */
+/**
+ * Builds the grpc-js implementation object for a service: every method wrapped, none left to chance.
+ * `methods` may be a function, asked at each call: a service whose methods change while the server
+ * runs (a pool that appears after the start).
+ */
 export function buildService<H>(
   service: string,
   definition: grpc.ServiceDefinition,
-  methods: Methods<H>,
+  methods: Methods<H> | (() => Methods<H>),
   deps: CallDeps,
 ): grpc.UntypedServiceImplementation {
   const impl: grpc.UntypedServiceImplementation = {};
-  const table = methods as Record<string, Method<unknown, unknown> | undefined>;
+  const table = (): Record<string, Method<unknown, unknown> | undefined> =>
+    (typeof methods === 'function' ? methods() : methods);
   for (const name of Object.keys(definition)) {
-    impl[name] = unaryHandler(service, name, table[name], deps) as grpc.UntypedHandleCall;
+    impl[name] = unaryHandler(service, name, () => table()[name], deps) as grpc.UntypedHandleCall;
   }
   return impl;
 }

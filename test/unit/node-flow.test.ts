@@ -65,6 +65,7 @@ async function world(): Promise<World> {
   const d: NodeDeps = {
     nodeId: NODE,
     poolName: 'test',
+    poolId: pool.id,
     maxVolumesPerNode: 8,
     loopDirectIo: false,
     volumes,
@@ -120,7 +121,7 @@ async function newVolume(
 }
 
 const stage = (w: World, id: string, over: Partial<Capability> = {}) =>
-  stageVolume(w.d, w.x, { id, staging: STAGING, cap: cap(over), publishPool: undefined });
+  stageVolume(w.d, w.x, { id, staging: STAGING, cap: cap(over), publishPool: undefined, poolId: undefined });
 const unstage = (w: World, id: string) => unstageVolume(w.d, w.x, { id, staging: STAGING });
 const publish = (w: World, id: string, over: Partial<Capability> = {}, readonly = false, target = TARGET) =>
   publishVolume(w.d, w.x, { id, staging: STAGING, target, cap: cap(over), readonly });
@@ -390,7 +391,13 @@ describe('a stage that fails undoes what it did', () => {
       await mount(cx, m);
       caller.abort();
     };
-    const staged = stageVolume(w.d, x, { id, staging: STAGING, cap: cap(), publishPool: undefined });
+    const staged = stageVolume(w.d, x, {
+      id,
+      staging: STAGING,
+      cap: cap(),
+      publishPool: undefined,
+      poolId: undefined,
+    });
     expect(await codeOf(staged)).toBe('CANCELLED');
     expect(w.host.ops.slice(-2)).toEqual([`umount ${STAGING}`, 'detach loop0']);
     await expectNothingLeft(w, id);
