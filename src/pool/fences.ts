@@ -1,14 +1,23 @@
 /**
  * The fences that keep a volume on one node at a time: attachments (ControllerPublishVolume records,
- * the controller's fence) and leases (NodeStageVolume holds, the node's fence), each a file per node
- * in the volume's directory, changed only under the volume's pool lock. A record that cannot be read
- * counts as held, by a writer: an unreadable fence never lets a volume go.
+ * the controller's fence) and leases (NodeStageVolume holds, the node's fence), all in one file per
+ * volume (fences.json), changed only under the volume's pool lock, with a per-node copy of each for
+ * releases that read only those. A record that cannot be read counts as held, by a writer: an
+ * unreadable fence never lets a volume go.
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { conflict, mismatch, noSpace } from '../errors.js';
-import { exists, listDir, readRecord, removeFile, writeFileAtomic } from './fsutil.js';
+import { conflict, mismatch, noSpace, unsafe } from '../errors.js';
+import {
+  exists,
+  isRecord,
+  listDir,
+  readRecord,
+  type RecordRead,
+  removeFile,
+  writeFileAtomic,
+} from './fsutil.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
@@ -37,31 +46,84 @@ export abstract class VolumeFences {
   /** A volume that exists and is complete, or NOT_FOUND. */
   abstract mustGet(id: string): Promise<VolumeMeta>;
 
-  async attachments(id: string): Promise<Attachment[]> {
-    const dir = this.layout.attachmentsDir(id);
-    const names = (await listDir(dir)).filter((n) => n.endsWith('.json'));
-    const out: Attachment[] = [];
-    for (const name of names) {
+  /** The volume's fence file, as it is on disk. */
+  private async readFenceFile(id: string): Promise<RecordRead<FenceFile>> {
+    return readRecord(this.layout.volumeFences(id), parseFenceFile);
+  }
+
+  /**
+   * The fence file to change under the volume's lock. A damaged one is never overwritten: it may be
+   * the only record that a node holds the volume.
+   */
+  private async fenceFileForUpdate(id: string): Promise<FenceFile> {
+    const r = await this.readFenceFile(id);
+    if (r.state === 'damaged') {
+      throw unsafe(
+        `The fence record ${this.layout.volumeFences(id)} of volume ${id} cannot be read (${r.reason}); nothing was changed, an operator must repair it.`,
+      );
+    }
+    return r.state === 'ok' ? r.value : { attachments: {}, leases: {} };
+  }
+
+  private async writeFenceFile(id: string, f: FenceFile): Promise<void> {
+    await writeFileAtomic(this.layout.volumeFences(id), json(f));
+  }
+
+  /**
+   * Records of one kind: the fence file's, and any per-node file of a node it does not list (written
+   * by a release before the fence file, or by this one as a copy for such a release during an
+   * upgrade). Anything unreadable counts as held by a writer.
+   */
+  private async fenceRecords<T extends { node: string }>(
+    id: string,
+    kind: 'attachments' | 'leases',
+    dir: string,
+    file: (node: string) => string,
+    parse: (v: unknown) => T | undefined,
+    unreadable: (node: string) => T,
+  ): Promise<T[]> {
+    const out = new Map<string, T>();
+    const f = await this.readFenceFile(id);
+    if (f.state === 'damaged') {
+      this.log.error(
+        { volumeId: id, reason: f.reason },
+        'the fence record cannot be read; treating the volume as held',
+      );
+      out.set('?', unreadable('unknown (fences.json unreadable)'));
+    } else if (f.state === 'ok') {
+      for (const [node, v] of Object.entries(f.value[kind])) out.set(node, v as unknown as T);
+    }
+    for (const name of (await listDir(dir)).filter((n) => n.endsWith('.json'))) {
       const node = name.slice(0, -'.json'.length);
-      if (!isNodeId(node)) continue;
-      const r = await readRecord(this.layout.attachment(id, node), parseAttachment);
-      if (r.state === 'ok') out.push(r.value);
+      if (!isNodeId(node) || out.has(node)) continue;
+      const r = await readRecord(file(node), parse);
+      if (r.state === 'ok') out.set(node, r.value);
       else if (r.state === 'damaged') {
-        // Unreadable: it still says the node may use the volume. Assume the most it could say.
         this.log.error(
           { volumeId: id, node, reason: r.reason },
-          'an attachment record cannot be read; treating it as a writer',
+          `a ${kind} record cannot be read; treating it as a writer's`,
         );
-        out.push({
-          node,
-          readonly: false,
-          accessType: 'mount',
-          mode: 'SINGLE_NODE_WRITER',
-          since: 'unknown (unreadable record)',
-        });
+        out.set(node, unreadable(node));
       }
     }
-    return out.sort((a, b) => a.node.localeCompare(b.node));
+    return [...out.values()].sort((a, b) => a.node.localeCompare(b.node));
+  }
+
+  async attachments(id: string): Promise<Attachment[]> {
+    return this.fenceRecords(
+      id,
+      'attachments',
+      this.layout.attachmentsDir(id),
+      (node) => this.layout.attachment(id, node),
+      parseAttachment,
+      (node) => ({
+        node,
+        readonly: false,
+        accessType: 'mount',
+        mode: 'SINGLE_NODE_WRITER',
+        since: 'unknown (unreadable record)',
+      }),
+    );
   }
 
   /**
@@ -100,8 +162,11 @@ export abstract class VolumeFences {
         await this.nodes.addAttached(att.node, id);
         failpoint('publish:indexed');
       });
+      const f = await this.fenceFileForUpdate(id);
+      // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
       await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
       await writeFileAtomic(this.layout.attachment(id, att.node), json(att));
+      await this.writeFenceFile(id, { ...f, attachments: { ...f.attachments, [att.node]: att } });
       return 'created';
     });
   }
@@ -111,7 +176,7 @@ export abstract class VolumeFences {
     let count = 0;
     for (const vid of await this.nodes.attachedVolumes(node)) {
       if (vid === except) continue;
-      if (await exists(this.layout.attachment(vid, node))) count++;
+      if ((await this.attachments(vid)).some((a) => a.node === node)) count++;
       else await this.nodes.removeAttached(node, vid);
     }
     return count;
@@ -125,15 +190,27 @@ export abstract class VolumeFences {
   async unpublish(id: string, node: string | undefined): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'ControllerUnpublishVolume', async () => {
+      if (!(await exists(this.layout.volumeDir(id)))) return;
       const targets = node === undefined ? (await this.attachments(id)).map((a) => a.node) : [node];
+      const f = await this.fenceFileForUpdate(id);
+      const gone = new Set(targets);
       for (const n of targets) {
         if (!isNodeId(n)) continue;
-        if (await removeFile(this.layout.lease(id, n))) {
+        if (n in f.leases || (await exists(this.layout.lease(id, n)))) {
           this.log.warn(
             { volumeId: id, node: n },
             'released the stage lease of a node the volume was unpublished from',
           );
         }
+      }
+      // The fence file first (what this release trusts), then the per-node copies.
+      await this.writeFenceFile(id, {
+        attachments: without(f.attachments, gone),
+        leases: without(f.leases, gone),
+      });
+      for (const n of targets) {
+        if (!isNodeId(n)) continue;
+        await removeFile(this.layout.lease(id, n));
         await removeFile(this.layout.attachment(id, n));
         await this.nodes.removeAttached(n, id);
       }
@@ -141,30 +218,21 @@ export abstract class VolumeFences {
   }
 
   async leases(id: string): Promise<Lease[]> {
-    const names = (await listDir(this.layout.leasesDir(id))).filter((n) => n.endsWith('.json'));
-    const out: Lease[] = [];
-    for (const name of names) {
-      const node = name.slice(0, -'.json'.length);
-      if (!isNodeId(node)) continue;
-      const r = await readRecord(this.layout.lease(id, node), parseLease);
-      if (r.state === 'ok') out.push(r.value);
-      else if (r.state === 'damaged') {
-        // Unreadable: the node may still have it staged. Assume it does, as a writer.
-        this.log.error(
-          { volumeId: id, node, reason: r.reason },
-          'a lease record cannot be read; treating it as held by a writer',
-        );
-        out.push({
-          node,
-          stagingPath: '',
-          accessType: 'mount',
-          mode: 'SINGLE_NODE_WRITER',
-          readonly: false,
-          since: 'unknown (unreadable record)',
-        });
-      }
-    }
-    return out;
+    return this.fenceRecords(
+      id,
+      'leases',
+      this.layout.leasesDir(id),
+      (node) => this.layout.lease(id, node),
+      parseLease,
+      (node) => ({
+        node,
+        stagingPath: '',
+        accessType: 'mount',
+        mode: 'SINGLE_NODE_WRITER',
+        readonly: false,
+        since: 'unknown (unreadable record)',
+      }),
+    );
   }
 
   /**
@@ -191,11 +259,13 @@ export abstract class VolumeFences {
         mine.readonly !== lease.readonly ||
         (lease.device !== undefined && mine.device !== lease.device)
       ) {
+        const f = await this.fenceFileForUpdate(id);
+        const device = lease.device ?? mine?.device;
+        const record: Lease = { ...lease, ...(device ? { device } : {}), since: mine?.since ?? lease.since };
+        // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
         await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
-        await writeFileAtomic(
-          this.layout.lease(id, lease.node),
-          json({ ...lease, device: lease.device ?? mine?.device, since: mine?.since ?? lease.since }),
-        );
+        await writeFileAtomic(this.layout.lease(id, lease.node), json(record));
+        await this.writeFenceFile(id, { ...f, leases: { ...f.leases, [lease.node]: record } });
       }
       return mine;
     });
@@ -204,6 +274,9 @@ export abstract class VolumeFences {
   /** This node's lease on the volume; an unreadable one counts as none (it is this node's to rewrite). */
   async lease(id: string, node: string): Promise<Lease | undefined> {
     if (!isVolumeId(id)) return undefined;
+    const f = await this.readFenceFile(id);
+    const inFile = f.state === 'ok' ? f.value.leases[node] : undefined;
+    if (inFile) return inFile;
     const r = await readRecord(this.layout.lease(id, node), parseLease);
     return r.state === 'ok' ? r.value : undefined;
   }
@@ -211,9 +284,43 @@ export abstract class VolumeFences {
   async dropLease(id: string, node: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'NodeUnstageVolume', async () => {
+      if (!(await exists(this.layout.volumeDir(id)))) return;
+      const f = await this.fenceFileForUpdate(id);
+      if (node in f.leases)
+        await this.writeFenceFile(id, { ...f, leases: without(f.leases, new Set([node])) });
       await removeFile(this.layout.lease(id, node));
     });
   }
+}
+
+/**
+ * volumes/<id>/fences.json: every node's attachment and lease in one file. One file that always has
+ * the same name is read fresh at every open on a network filesystem (close-to-open), where a listing
+ * of a directory of per-node files can be served from a client's cache for a minute.
+ */
+interface FenceFile {
+  attachments: Record<string, Attachment>;
+  leases: Record<string, Lease>;
+}
+
+const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
+  Object.fromEntries(Object.entries(r).filter(([k]) => !keys.has(k)));
+
+function parseFenceFile(v: unknown): FenceFile | undefined {
+  if (!isRecord(v) || !isRecord(v.attachments) || !isRecord(v.leases)) return undefined;
+  const attachments: Record<string, Attachment> = {};
+  const leases: Record<string, Lease> = {};
+  for (const [node, a] of Object.entries(v.attachments)) {
+    const parsed = parseAttachment(a);
+    if (!parsed || parsed.node !== node) return undefined;
+    attachments[node] = parsed;
+  }
+  for (const [node, l] of Object.entries(v.leases)) {
+    const parsed = parseLease(l);
+    if (!parsed || parsed.node !== node) return undefined;
+    leases[node] = parsed;
+  }
+  return { attachments, leases };
 }
 
 function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {

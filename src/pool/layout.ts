@@ -6,8 +6,10 @@
  *   volumes/<vol-id>/meta.json        the volume: name, size, filesystem, parameters, state
  *   volumes/<vol-id>/disk.img         its disk image (sparse unless allocation=preallocate)
  *   volumes/<vol-id>/initialized      present once a node formatted it or used it as a raw device
- *   volumes/<vol-id>/attachments/<node>.json   ControllerPublishVolume records (the attach fence)
- *   volumes/<vol-id>/leases/<node>.json        NodeStageVolume holds (the node-side fence)
+ *   volumes/<vol-id>/fences.json      every node's attachment (ControllerPublishVolume, the attach
+ *                                     fence) and lease (NodeStageVolume, the node-side fence)
+ *   volumes/<vol-id>/attachments/<node>.json, leases/<node>.json   per-node copies of those, for
+ *                                     releases before fences.json (read too: an older node's hold counts)
  *   snapshots/<snap-id>/meta.json, disk.img    point-in-time copies
  *   groups/<group-id>/meta.json               volume group snapshots (their members are snapshots)
  *   nodes/<node>.json                 node plugins that serve this pool, and their attach limits
@@ -72,6 +74,9 @@ export class PoolLayout {
   }
   volumeInitialized(id: string): string {
     return path.join(this.volumeDir(id), 'initialized');
+  }
+  volumeFences(id: string): string {
+    return path.join(this.volumeDir(id), 'fences.json');
   }
   attachmentsDir(id: string): string {
     return path.join(this.volumeDir(id), 'attachments');

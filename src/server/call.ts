@@ -214,7 +214,7 @@ export function buildService<H>(
 ): grpc.UntypedServiceImplementation {
   const impl: grpc.UntypedServiceImplementation = {};
   const table = (): Record<string, Method<unknown, unknown> | undefined> =>
-    (typeof methods === 'function' ? methods() : methods);
+    typeof methods === 'function' ? methods() : methods;
   for (const name of Object.keys(definition)) {
     impl[name] = unaryHandler(service, name, () => table()[name], deps) as grpc.UntypedHandleCall;
   }

@@ -28,7 +28,11 @@ afterAll(async () => {
 });
 
 /** A dir under `base` holding an export and the given sshfs mounts of it (declared the file's own). */
-async function shared(tag: string, hosts: string[]): Promise<{ base: string; mounts: SshfsMount[] }> {
+async function shared(
+  tag: string,
+  hosts: string[],
+  cache: 'off' | 'sshfs-defaults' = 'off',
+): Promise<{ base: string; mounts: SshfsMount[] }> {
   if (!ssh) throw new Error('no sshd');
   const base = await env.dir(tag);
   const exportDir = path.join(base, 'export');
@@ -36,7 +40,7 @@ async function shared(tag: string, hosts: string[]): Promise<{ base: string; mou
   const mounts: SshfsMount[] = [];
   for (const h of hosts) {
     const mp = path.join(base, `pool-${h}`);
-    mounts.push(await ssh.mountExport(exportDir, mp));
+    mounts.push(await ssh.mountExport(exportDir, mp, { cache }));
     env.declareOwn(mp);
   }
   return { base, mounts };
@@ -170,142 +174,147 @@ describe.skipIf(skip)('a pool on a network filesystem (sshfs)', () => {
     await m.unmount();
   });
 
-  describe('two hosts and a controller, each with its own mount of one export', () => {
-    let base = '';
-    let ctl: DriverProcess;
-    let nodeA: DriverProcess;
-    let nodeB: DriverProcess;
-    const cap = mountCap('ext4');
+  // With every client cache off, as the tests assume elsewhere; and with sshfs's own caching on, where
+  // a directory listing can be 20 s old: the fences (leases, attachments) must not depend on one.
+  describe.each(['off', 'sshfs-defaults'] as const)(
+    'two hosts and a controller, each with its own mount of one export (client caches %s)',
+    (cache) => {
+      let base = '';
+      let ctl: DriverProcess;
+      let nodeA: DriverProcess;
+      let nodeB: DriverProcess;
+      const cap = mountCap('ext4');
 
-    beforeAll(async () => {
-      const s = await shared('hosts', ['a', 'b', 'ctl']);
-      base = s.base;
-      const [a, b, c] = s.mounts;
-      if (!a || !b || !c) throw new Error('no mounts');
-      nodeA = await nodePlugin(base, a, 'node-a');
-      nodeB = await nodePlugin(base, b, 'node-b');
-      ctl = await env.driver({
-        dir: base,
-        poolDir: c.mountPoint,
-        socket: path.join(base, 'ctl.sock'),
-        mode: 'controller',
+      beforeAll(async () => {
+        const s = await shared(`hosts-${cache}`, ['a', 'b', 'ctl'], cache);
+        base = s.base;
+        const [a, b, c] = s.mounts;
+        if (!a || !b || !c) throw new Error('no mounts');
+        nodeA = await nodePlugin(base, a, 'node-a');
+        nodeB = await nodePlugin(base, b, 'node-b');
+        ctl = await env.driver({
+          dir: base,
+          poolDir: c.mountPoint,
+          socket: path.join(base, 'ctl.sock'),
+          mode: 'controller',
+        });
       });
-    });
 
-    async function createVolume(name: string, size = 64 * MiB, source?: string): Promise<string> {
-      const res = await ctl.clients.controller.CreateVolume({
-        name,
-        capacity_range: { required_bytes: String(size) },
-        volume_capabilities: [cap],
-        ...(source ? { volume_content_source: { snapshot: { snapshot_id: source } } } : {}),
+      async function createVolume(name: string, size = 64 * MiB, source?: string): Promise<string> {
+        const res = await ctl.clients.controller.CreateVolume({
+          name,
+          capacity_range: { required_bytes: String(size) },
+          volume_capabilities: [cap],
+          ...(source ? { volume_content_source: { snapshot: { snapshot_id: source } } } : {}),
+        });
+        return res.volume?.volume_id ?? '';
+      }
+      const publishTo = (id: string, node: string) =>
+        ctl.clients.controller.ControllerPublishVolume({
+          volume_id: id,
+          node_id: node,
+          volume_capability: cap,
+        });
+      const unpublishFrom = (id: string, node: string) =>
+        ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: node });
+
+      it('moves a volume from one node to the other with its data, and fences the second while the first has it', async () => {
+        const id = await createVolume('pvc-moves');
+        await publishTo(id, 'node-a');
+        const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
+        const onB = new OnNode(nodeB, id, cap, path.join(base, 'host-b'));
+        await onA.up();
+        const sum = await writeRandom(path.join(onA.target, 'data.bin'), 4, 42);
+
+        // The lease node-a wrote through its mount stops node-b, which reads it through another.
+        const refused = await errorOf(onB.stage());
+        expect(refused.code).toBe('FAILED_PRECONDITION');
+        expect(refused.details).toContain('node-a');
+        expect(await codeOf(publishTo(id, 'node-b'))).toBe('FAILED_PRECONDITION');
+
+        await onA.down();
+        await unpublishFrom(id, 'node-a');
+        await publishTo(id, 'node-b');
+        await onB.up();
+        expect(await sha256(path.join(onB.target, 'data.bin'))).toBe(sum);
+        // And now the other way round.
+        expect((await errorOf(onA.stage())).details).toContain('node-b');
+        await onB.down();
+        await unpublishFrom(id, 'node-b');
+        await ctl.clients.controller.DeleteVolume({ volume_id: id });
       });
-      return res.volume?.volume_id ?? '';
-    }
-    const publishTo = (id: string, node: string) =>
-      ctl.clients.controller.ControllerPublishVolume({
-        volume_id: id,
-        node_id: node,
-        volume_capability: cap,
+
+      it('snapshots a volume in use on a node, which freezes it on a request through the pool', async () => {
+        const id = await createVolume('pvc-snap-src');
+        await publishTo(id, 'node-a');
+        const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
+        await onA.up();
+        const sum = await writeRandom(path.join(onA.target, 'data.bin'), 2, 7);
+
+        const snap = await ctl.clients.controller.CreateSnapshot(
+          { name: 'snap-shared', source_volume_id: id },
+          { timeoutMs: 60_000 },
+        );
+        expect(snap.snapshot?.ready_to_use).toBe(true);
+        expect(await nodeA.waitForLog((l) => l.includes('froze a filesystem for a copy'))).toBe(true);
+        expect(await nodeA.waitForLog((l) => l.includes('thawed a filesystem frozen for a copy'))).toBe(true);
+        expect(
+          await ctl.waitForLog(
+            (l) =>
+              l.includes('"name":"snap-shared"') &&
+              l.includes('"how":"sparse-copy"') &&
+              l.includes('"frozen":true'),
+          ),
+        ).toBe(true);
+        // The pod writes again.
+        await fs.writeFile(path.join(onA.target, 'after'), 'written after the snapshot');
+
+        // The copy holds the data as it was, restored on the other node.
+        const restored = await createVolume('pvc-snap-restored', 64 * MiB, snap.snapshot?.snapshot_id);
+        await publishTo(restored, 'node-b');
+        const onB = new OnNode(nodeB, restored, cap, path.join(base, 'host-b'));
+        await onB.up();
+        expect(await sha256(path.join(onB.target, 'data.bin'))).toBe(sum);
+        await expect(fs.stat(path.join(onB.target, 'after'))).rejects.toThrow(/ENOENT/);
+
+        await onB.down();
+        await onA.down();
+        await unpublishFrom(restored, 'node-b');
+        await unpublishFrom(id, 'node-a');
+        for (const v of [restored, id]) await ctl.clients.controller.DeleteVolume({ volume_id: v });
+        await ctl.clients.controller.DeleteSnapshot({ snapshot_id: snap.snapshot?.snapshot_id ?? '' });
       });
-    const unpublishFrom = (id: string, node: string) =>
-      ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: node });
 
-    it('moves a volume from one node to the other with its data, and fences the second while the first has it', async () => {
-      const id = await createVolume('pvc-moves');
-      await publishTo(id, 'node-a');
-      const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
-      const onB = new OnNode(nodeB, id, cap, path.join(base, 'host-b'));
-      await onA.up();
-      const sum = await writeRandom(path.join(onA.target, 'data.bin'), 4, 42);
-
-      // The lease node-a wrote through its mount stops node-b, which reads it through another.
-      const refused = await errorOf(onB.stage());
-      expect(refused.code).toBe('FAILED_PRECONDITION');
-      expect(refused.details).toContain('node-a');
-      expect(await codeOf(publishTo(id, 'node-b'))).toBe('FAILED_PRECONDITION');
-
-      await onA.down();
-      await unpublishFrom(id, 'node-a');
-      await publishTo(id, 'node-b');
-      await onB.up();
-      expect(await sha256(path.join(onB.target, 'data.bin'))).toBe(sum);
-      // And now the other way round.
-      expect((await errorOf(onA.stage())).details).toContain('node-b');
-      await onB.down();
-      await unpublishFrom(id, 'node-b');
-      await ctl.clients.controller.DeleteVolume({ volume_id: id });
-    });
-
-    it('snapshots a volume in use on a node, which freezes it on a request through the pool', async () => {
-      const id = await createVolume('pvc-snap-src');
-      await publishTo(id, 'node-a');
-      const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
-      await onA.up();
-      const sum = await writeRandom(path.join(onA.target, 'data.bin'), 2, 7);
-
-      const snap = await ctl.clients.controller.CreateSnapshot(
-        { name: 'snap-shared', source_volume_id: id },
-        { timeoutMs: 60_000 },
-      );
-      expect(snap.snapshot?.ready_to_use).toBe(true);
-      expect(await nodeA.waitForLog((l) => l.includes('froze a filesystem for a copy'))).toBe(true);
-      expect(await nodeA.waitForLog((l) => l.includes('thawed a filesystem frozen for a copy'))).toBe(true);
-      expect(
-        await ctl.waitForLog(
-          (l) =>
-            l.includes('"name":"snap-shared"') &&
-            l.includes('"how":"sparse-copy"') &&
-            l.includes('"frozen":true'),
-        ),
-      ).toBe(true);
-      // The pod writes again.
-      await fs.writeFile(path.join(onA.target, 'after'), 'written after the snapshot');
-
-      // The copy holds the data as it was, restored on the other node.
-      const restored = await createVolume('pvc-snap-restored', 64 * MiB, snap.snapshot?.snapshot_id);
-      await publishTo(restored, 'node-b');
-      const onB = new OnNode(nodeB, restored, cap, path.join(base, 'host-b'));
-      await onB.up();
-      expect(await sha256(path.join(onB.target, 'data.bin'))).toBe(sum);
-      await expect(fs.stat(path.join(onB.target, 'after'))).rejects.toThrow(/ENOENT/);
-
-      await onB.down();
-      await onA.down();
-      await unpublishFrom(restored, 'node-b');
-      await unpublishFrom(id, 'node-a');
-      for (const v of [restored, id]) await ctl.clients.controller.DeleteVolume({ volume_id: v });
-      await ctl.clients.controller.DeleteSnapshot({ snapshot_id: snap.snapshot?.snapshot_id ?? '' });
-    });
-
-    it('freezes a volume staged just after the controller last listed its leases', async () => {
-      // The controller lists the leases of a volume nobody stages; then a node stages it. With the
-      // client's directory cache on (sshfs's default), the next snapshot would still see no lease,
-      // and byte-copy a mounted filesystem without freezing it.
-      const id = await createVolume('pvc-fresh-lease');
-      await publishTo(id, 'node-a');
-      const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
-      await onA.up();
-      await onA.down();
-      const unused = await ctl.clients.controller.CreateSnapshot({
-        name: 'snap-unused',
-        source_volume_id: id,
+      it('freezes a volume staged just after the controller last listed its leases', async () => {
+        // The controller lists the leases of a volume nobody stages; then a node stages it. With the
+        // client's directory cache on (sshfs's default), the next snapshot would still see no lease,
+        // and byte-copy a mounted filesystem without freezing it.
+        const id = await createVolume('pvc-fresh-lease');
+        await publishTo(id, 'node-a');
+        const onA = new OnNode(nodeA, id, cap, path.join(base, 'host-a'));
+        await onA.up();
+        await onA.down();
+        const unused = await ctl.clients.controller.CreateSnapshot({
+          name: 'snap-unused',
+          source_volume_id: id,
+        });
+        expect(
+          await ctl.waitForLog((l) => l.includes('"name":"snap-unused"') && l.includes('"frozen":false')),
+        ).toBe(true);
+        await onA.up();
+        const inUse = await ctl.clients.controller.CreateSnapshot({
+          name: 'snap-in-use',
+          source_volume_id: id,
+        });
+        expect(
+          await ctl.waitForLog((l) => l.includes('"name":"snap-in-use"') && l.includes('"frozen":true')),
+        ).toBe(true);
+        await onA.down();
+        await unpublishFrom(id, 'node-a');
+        for (const s of [unused, inUse])
+          await ctl.clients.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' });
+        await ctl.clients.controller.DeleteVolume({ volume_id: id });
       });
-      expect(
-        await ctl.waitForLog((l) => l.includes('"name":"snap-unused"') && l.includes('"frozen":false')),
-      ).toBe(true);
-      await onA.up();
-      const inUse = await ctl.clients.controller.CreateSnapshot({
-        name: 'snap-in-use',
-        source_volume_id: id,
-      });
-      expect(
-        await ctl.waitForLog((l) => l.includes('"name":"snap-in-use"') && l.includes('"frozen":true')),
-      ).toBe(true);
-      await onA.down();
-      await unpublishFrom(id, 'node-a');
-      for (const s of [unused, inUse])
-        await ctl.clients.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' });
-      await ctl.clients.controller.DeleteVolume({ volume_id: id });
-    });
-  });
+    },
+  );
 });
