@@ -41,7 +41,12 @@ export async function probeDevice(x: Exec, device: string): Promise<DeviceConten
  *    no reserved blocks (-m 0): there is no root-owned daemon to reserve them for;
  *  - no force flags: if mkfs finds a signature blkid missed, it refuses, which is what we want.
  */
-function mkfsCommand(fsType: FsType, device: string, prezeroed: boolean): [string, string[]] {
+function mkfsCommand(
+  fsType: FsType,
+  device: string,
+  prezeroed: boolean,
+  compat: readonly string[],
+): [string, string[]] {
   switch (fsType) {
     case 'ext4':
       return [
@@ -54,18 +59,25 @@ function mkfsCommand(fsType: FsType, device: string, prezeroed: boolean): [strin
           '0',
           '-E',
           prezeroed ? 'nodiscard,assume_storage_prezeroed=1' : 'nodiscard,lazy_itable_init=1',
+          ...compat,
           device,
         ],
       ];
     case 'xfs':
-      return ['mkfs.xfs', ['-q', '-K', device]];
+      return ['mkfs.xfs', ['-q', '-K', ...compat, device]];
     case 'btrfs':
-      return ['mkfs.btrfs', ['-q', '-K', device]];
+      return ['mkfs.btrfs', ['-q', '-K', ...compat, device]];
   }
 }
 
-export async function formatDevice(x: Exec, fsType: FsType, device: string): Promise<void> {
-  const [cmd, args] = mkfsCommand(fsType, device, true);
+/** Formats `device`; `compat` turns off features the node's kernel cannot mount (mkfs-compat.ts). */
+export async function formatDevice(
+  x: Exec,
+  fsType: FsType,
+  device: string,
+  compat: readonly string[] = [],
+): Promise<void> {
+  const [cmd, args] = mkfsCommand(fsType, device, true, compat);
   try {
     await x.run(cmd, args, { timeoutMs: 10 * 60_000 });
   } catch (err) {
@@ -75,7 +87,7 @@ export async function formatDevice(x: Exec, fsType: FsType, device: string): Pro
       err instanceof CommandError &&
       /assume_storage_prezeroed|Bad option/i.test(err.stderr)
     ) {
-      const [cmd2, args2] = mkfsCommand(fsType, device, false);
+      const [cmd2, args2] = mkfsCommand(fsType, device, false, compat);
       await x.run(cmd2, args2, { timeoutMs: 10 * 60_000 });
       return;
     }

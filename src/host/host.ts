@@ -23,6 +23,7 @@ import {
   type Usage,
 } from './filesystem.js';
 import { freeze, thaw, thawDevice } from './freeze.js';
+import { kernelVersion, mkfsCompat } from './mkfs-compat.js';
 import {
   type AttachOptions,
   attachLoop,
@@ -130,7 +131,16 @@ export const kernelHost: Host = {
   remountBind,
   unmountAll,
   probe: probeDevice,
-  format: formatDevice,
+  format: async (x, fsType, device) => {
+    const compat = await mkfsCompat(x, fsType);
+    if (compat.off.length > 0) {
+      x.log.info(
+        { fsType, kernel: kernelVersion().join('.'), off: compat.off, args: compat.args },
+        'mkfs features turned off for this kernel',
+      );
+    }
+    await formatDevice(x, fsType, device, compat.args);
+  },
   check: (x, fsType, device) => checkFilesystem(x, fsType, device),
   flush: flushDeviceBuffers,
   filesystemSize,

@@ -6,8 +6,8 @@
  */
 import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
-import { conflict, errnoCode } from '../errors.js';
-import type { Exec } from '../exec/runner.js';
+import { conflict, errnoCode, invalid } from '../errors.js';
+import { CommandError, type Exec } from '../exec/runner.js';
 
 export type CopyMethod = 'reflink' | 'sparse-copy';
 
@@ -37,9 +37,19 @@ export async function createSparseImage(file: string, size: number): Promise<voi
 /** Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space. */
 export async function preallocate(x: Exec, file: string, offset: number, length: number): Promise<void> {
   if (length <= 0) return;
-  await x.run('fallocate', ['--offset', String(offset), '--length', String(length), file], {
-    timeoutMs: 10 * 60 * 1000,
-  });
+  try {
+    await x.run('fallocate', ['--offset', String(offset), '--length', String(length), file], {
+      timeoutMs: 10 * 60 * 1000,
+    });
+  } catch (err) {
+    if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
+      throw invalid(
+        "This pool's filesystem cannot reserve blocks (fallocate is not supported there, as on many network filesystems); use allocation: sparse.",
+        err,
+      );
+    }
+    throw err;
+  }
   await syncFile(file);
 }
 

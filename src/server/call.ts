@@ -147,10 +147,13 @@ export function unaryHandler<Req, Res>(
       release?.();
       const seconds = (performance.now() - started) / 1000;
       const ms = Math.round(seconds * 1000);
+      // The caller gave up before the answer: it saw CANCELLED or DEADLINE_EXCEEDED, whatever we say.
+      const late = controller.signal.aborted || Date.now() > deadline ? { late: true } : {};
       if (err === undefined) {
         // Polling calls log at debug: skip copying and redacting their request when that is off.
         const level = impl?.quiet ? 'debug' : 'info';
-        if (log.isLevelEnabled(level)) log[level]({ ms, code: 'OK', request: redact(call.request) }, 'call');
+        if (log.isLevelEnabled(level))
+          log[level]({ ms, code: 'OK', ...late, request: redact(call.request) }, 'call');
         deps.observer?.observe(service, name, 'OK', seconds);
         callback(null, response);
       } else {
@@ -159,6 +162,7 @@ export function unaryHandler<Req, Res>(
         const line = {
           ms,
           code,
+          ...late,
           error: mapped.message,
           request: redact(call.request),
           ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
