@@ -108,5 +108,5 @@ export const isNotFoundErrno = (err: unknown): boolean => errnoCode(err) === 'EN
 
 export function isNoSpace(err: unknown): boolean {
   const code = errnoCode(err);
-  return code === 'ENOSPC' || code === 'EDQUOT' || code === 'EFBIG';
+  return code === 'ENOSPC' || code === 'EDQUOT';
 }

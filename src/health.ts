@@ -3,8 +3,8 @@ import { type Mode, servesController, servesNode } from './config.js';
 import { missingTools } from './exec/which.js';
 import type { Pool } from './pool/pool.js';
 
-/** Tools the controller runs: preallocation, sparse copies (and fsfreeze, when it shares a host with mounts). */
-export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'fsfreeze'] as const;
+/** Tools the controller runs: preallocation, sparse copies, and a look at what a source image holds. */
+export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'blkid'] as const;
 /** Tools the node plugin runs. */
 export const NODE_TOOLS = [
   'losetup',

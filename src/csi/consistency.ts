@@ -91,7 +91,7 @@ async function copyHeld<T>(
     for (const lease of await d.volumes.leases(volumeId))
       if (!lease.readonly) writers.push({ volumeId, lease });
   }
-  const reflink = await d.pool.canReflink();
+  const reflink = await d.pool.fs.canReflink();
   let ttlMs = CLONE_FREEZE_MS;
   if (!reflink && writers.length > 0) {
     const block = writers.find((w) => w.lease.accessType === 'block');
@@ -102,7 +102,7 @@ async function copyHeld<T>(
     }
     let bytes = 0;
     for (const id of ids) bytes += await allocatedBytes(d.volumes.imagePath(id));
-    const seconds = d.pool.copySeconds(bytes);
+    const seconds = d.pool.fs.copySeconds(bytes);
     if (seconds * 1000 > d.freezeBudgetMs) {
       const w = writers[0];
       throw conflict(
@@ -137,7 +137,7 @@ async function copyHeld<T>(
           signal,
           ...(frozen ? { timeoutMs: left } : {}),
         });
-        if (result.method === 'sparse-copy') d.pool.recordCopy(result.bytes, result.seconds);
+        if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
         ctx.log.info(
           { source: volumeId, how: result.method, bytes: result.bytes, frozen },
           'copied volume image',

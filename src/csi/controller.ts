@@ -33,6 +33,7 @@ import {
   parseCapability,
   parseRange,
   requireField,
+  floorMiB,
   roundUpMiB,
   TOPOLOGY_KEY,
 } from './validate.js';
@@ -189,6 +190,10 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         } catch (err) {
           return unconfirmed(err instanceof Error ? err.message : String(err));
         }
+        const mount = caps.find((c) => c.accessType === 'mount');
+        if (mount && meta.fsType === 'none') {
+          return unconfirmed(`The volume was made for raw block access, not ${describeCapability(mount)}.`);
+        }
         const wrongFs = caps.find(
           (c) => c.accessType === 'mount' && c.fsType !== '' && c.fsType !== meta.fsType,
         );
@@ -268,9 +273,11 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           : preallocated
             ? report.availablePreallocatedBytes
             : report.availableBytes;
+        // No volume can be larger than the largest file the pool's filesystem holds (16 TiB on ext4).
+        const largest = report ? floorMiB(await d.pool.fs.maxFileSize()) : 0;
         return {
           available_capacity: String(available),
-          maximum_volume_size: { value: String(available) },
+          maximum_volume_size: { value: String(Math.min(available, largest)) },
           minimum_volume_size: { value: String(minBytes) },
         };
       },
@@ -302,6 +309,12 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           }
           if (target < current) {
             throw outOfRange(`Volume ${id} is ${formatBytes(current)}; shrinking a volume is not supported.`);
+          }
+          const largest = await d.pool.fs.maxFileSize();
+          if (target > largest) {
+            throw outOfRange(
+              `The pool's filesystem holds files of at most ${formatBytes(largest)}; volume ${id} cannot grow to ${formatBytes(target)}.`,
+            );
           }
           if (range.limitBytes > 0 && current > range.limitBytes) {
             throw outOfRange(`Volume ${id} is already ${formatBytes(current)}, more than limit_bytes.`);

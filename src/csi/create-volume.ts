@@ -8,7 +8,18 @@ import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSou
 import { formatBytes } from '../pool/capacity.js';
 import { isSnapshotId, isVolumeId, volumeIdForName } from '../pool/ids.js';
 import { copyImage, createSparseImage, growImage, preallocate } from '../pool/images.js';
-import type { Capability, ContentSource, FsType, SnapshotMeta, VolumeMeta } from '../pool/types.js';
+import type { Exec } from '../exec/runner.js';
+import { probeDevice } from '../host/filesystem.js';
+import {
+  type Capability,
+  type ContentSource,
+  FS_TYPES,
+  type FsType,
+  isFsType,
+  type SnapshotMeta,
+  type VolumeFs,
+  type VolumeMeta,
+} from '../pool/types.js';
 import type { FillResult } from '../pool/volumes.js';
 import { method, type Method } from '../server/call.js';
 import type { CreateVolumeRequest__Output } from '../gen/csi/v1/CreateVolumeRequest.js';
@@ -23,6 +34,7 @@ import {
   parseRange,
   type Range,
   requireField,
+  floorMiB,
   roundUpMiB,
   topologyAdmits,
   TOPOLOGY_KEY,
@@ -84,12 +96,14 @@ export function chooseSize(
       `The source is ${formatBytes(sourceBytes)}, more than limit_bytes (${formatBytes(limitBytes)}).`,
     );
   }
+  // Requests round up to a whole MiB, limits down: the size made is never below one nor above the other.
+  const limit = limitBytes > 0 ? floorMiB(limitBytes) : Number.POSITIVE_INFINITY;
   let want: number;
   if (requiredBytes > 0) want = requiredBytes;
   else if (sourceBytes !== undefined) want = sourceBytes;
-  else want = limitBytes > 0 ? Math.min(defaultBytes, limitBytes) : defaultBytes;
+  else want = Math.min(defaultBytes, limit);
   const size = roundUpMiB(Math.max(want, minBytes, sourceBytes ?? 0));
-  if (limitBytes > 0 && size > limitBytes) {
+  if (size > limit) {
     throw outOfRange(
       size === roundUpMiB(minBytes) && minBytes > want
         ? `This filesystem needs at least ${formatBytes(minBytes)}, more than limit_bytes (${formatBytes(limitBytes)}).`
@@ -97,6 +111,12 @@ export function chooseSize(
     );
   }
   return size;
+}
+
+/** The filesystem an image file holds (blkid -p reads files too), or 'none'. */
+async function imageHolds(x: Exec, image: string): Promise<VolumeFs> {
+  const content = await probeDevice(x, image);
+  return content.kind === 'filesystem' && isFsType(content.type) ? content.type : 'none';
 }
 
 export function createVolumeMethod(
@@ -134,33 +154,47 @@ export function createVolumeMethod(
       }
       // Resolve the content source (NOT_FOUND when absent).
       let sourceBytes: number | undefined;
-      let sourceFs: FsType | undefined;
+      let sourceImage: string | undefined;
       let sourceInitialized = false;
       let sourceSnapshot: SnapshotMeta | undefined;
       if (v.source?.kind === 'snapshot') {
         sourceSnapshot = isSnapshotId(v.source.id) ? await snapshots.get(v.source.id) : undefined;
         if (!sourceSnapshot) throw notFound(`Snapshot ${v.source.id} does not exist.`);
         sourceBytes = sourceSnapshot.sizeBytes;
-        sourceFs = sourceSnapshot.fsType;
+        sourceImage = snapshots.imagePath(sourceSnapshot.id);
         sourceInitialized = sourceSnapshot.initialized;
       } else if (v.source?.kind === 'volume') {
         const src = isVolumeId(v.source.id) ? await volumes.get(v.source.id) : undefined;
         if (!src) throw notFound(`Volume ${v.source.id} does not exist.`);
         sourceBytes = src.capacityBytes;
-        sourceFs = src.fsType;
+        sourceImage = volumes.imagePath(src.id);
         sourceInitialized = await volumes.isInitialized(src.id);
       }
-      if (v.fsType && sourceFs && sourceInitialized && v.fsType !== sourceFs) {
+      const needsFs = v.caps.some((c) => c.accessType === 'mount');
+      // What the source holds, from the image itself (a raw block volume's pod may have made any
+      // filesystem of it, or none): never from a label.
+      const sourceFs = sourceImage && sourceInitialized ? await imageHolds(ctx, sourceImage) : undefined;
+      if (sourceFs === 'none' && needsFs) {
+        throw invalidArgument(
+          `The source holds no ${FS_TYPES.join(', ')} filesystem (raw block data); restore it as a block volume.`,
+        );
+      }
+      if (v.fsType && sourceFs && v.fsType !== sourceFs) {
         throw invalidArgument(`The source holds ${sourceFs}, but ${v.fsType} was asked for.`);
       }
-      const fsType: FsType = v.fsType ?? sourceFs ?? 'ext4';
-      const needsFs = v.caps.some((c) => c.accessType === 'mount');
+      const fsType: VolumeFs = sourceFs ?? v.fsType ?? (needsFs ? 'ext4' : 'none');
       const size = chooseSize(
         v.range,
-        needsFs ? MIN_BYTES[fsType] : MIN_BYTES.block,
+        needsFs && fsType !== 'none' ? MIN_BYTES[fsType] : MIN_BYTES.block,
         d.config.defaultVolumeSize,
         sourceBytes,
       );
+      const largest = await d.pool.fs.maxFileSize();
+      if (size > largest) {
+        throw outOfRange(
+          `The pool's filesystem holds files of at most ${formatBytes(largest)}; a volume of ${formatBytes(size)} cannot be made there.`,
+        );
+      }
 
       const compatible = (existing: VolumeMeta): string | undefined => {
         if (existing.name !== v.name) return 'a different name hashes to the same id';

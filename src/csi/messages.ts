@@ -23,7 +23,10 @@ export function volumeMessage(meta: VolumeMeta, poolName: string, poolId: string
   return {
     volume_id: meta.id,
     capacity_bytes: String(meta.capacityBytes),
-    volume_context: { 'loopvol.csi.io/fstype': meta.fsType, 'loopvol.csi.io/pool-id': poolId },
+    volume_context: {
+      ...(meta.fsType === 'none' ? {} : { 'loopvol.csi.io/fstype': meta.fsType }),
+      'loopvol.csi.io/pool-id': poolId,
+    },
     content_source: contentSourceMessage(meta),
     accessible_topology: [{ segments: { [TOPOLOGY_KEY]: poolName } }],
   };

@@ -74,6 +74,7 @@ export function parseRange(range: CapacityRange__Output | null): Range {
 }
 
 export const roundUpMiB = (n: number): number => Math.ceil(n / MiB) * MiB;
+export const floorMiB = (n: number): number => Math.floor(n / MiB) * MiB;
 
 /** Options a mount may never carry: they would mount something else, elsewhere, or bypass the fence. */
 const FORBIDDEN_OPTIONS = new Set([

@@ -84,7 +84,12 @@ export async function prepareFilesystem(
     // Another node may have formatted it while this one waited: read the disk, not what was cached.
     await d.host.flush(x, loop.path);
     const content = await d.host.probe(x, loop.path);
-    const decision = decideFormat(content, initialized, cap.fsType, vol.fsType);
+    const decision = decideFormat(
+      content,
+      initialized,
+      cap.fsType,
+      vol.fsType === 'none' ? 'ext4' : vol.fsType,
+    );
     if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
     if (decision.action === 'keep') {
       if (!initialized)

@@ -10,7 +10,7 @@
 import path from 'node:path';
 import { broken, conflict, invalid, mismatch, missing } from '../errors.js';
 import { checkpoint, CommandError, detached, type Exec } from '../exec/runner.js';
-import type { LoopDevice, MountEntry } from '../host/host.js';
+import type { MountEntry } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { pausepoint } from '../failpoints.js';
 import { isVolumeId } from '../pool/ids.js';
@@ -137,14 +137,12 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
             `${target} is not an empty file; a block volume is published on an empty file the driver creates.`,
           );
       }
-      // A read-only bind of a device node does not stop writes: publish a read-only loop device.
-      let device: LoopDevice = staged;
-      if (readOnly && !staged.readOnly) {
-        device = await d.host.attach(x, on.image, on.imageId, { readOnly: true, directIo: d.loopDirectIo });
-        const extra = device;
-        undo.push((cx) => d.host.detach(cx, extra));
-      }
-      source = device.path;
+      // Every publish on this node binds the staged device itself: readers and writers share its page
+      // cache, so a reader sees what a writer wrote (a second loop device would keep its own, stale,
+      // cache). A read-only bind of a device node does not stop writes by itself; the container runtime
+      // does, with a read-only device rule (the kubelet gives read-only volumes "r"), and a volume
+      // staged read-only is on a read-only device.
+      source = staged.path;
     } else if ((await d.host.pathKind(target)) === 'absent') {
       await d.host.makeDir(target);
       undo.push(() => d.host.removeCreated(target));

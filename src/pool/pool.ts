@@ -20,14 +20,12 @@ import {
   type RecordRead,
   writeFileAtomic,
 } from './fsutil.js';
-import { NO_REFLINK } from './images.js';
+import { PoolFilesystem } from './filesystem.js';
 import { POOL_FORMAT, PoolLayout } from './layout.js';
 import { type HeldLock, isHeld, LockManager, type LockOptions } from './lock.js';
 
 /** How long a call waits for a pool lock another call holds. */
 const LOCK_WAIT_MS = 2_000;
-/** A cautious guess at sparse-copy speed until this process has measured one (100 MiB/s). */
-const INITIAL_COPY_RATE = 100 * 2 ** 20;
 /** The note a quarantined directory carries. */
 export const QUARANTINE_NOTE = 'QUARANTINE.json';
 
@@ -106,9 +104,8 @@ export class Pool {
   readonly layout: PoolLayout;
   readonly locks: LockManager;
 
-  private reflink: Promise<boolean> | undefined;
-  /** Bytes per second of recent sparse copies in this pool (an estimate for the freeze budget). */
-  private copyRate = INITIAL_COPY_RATE;
+  /** What the pool's filesystem can do: reflink, the largest file, how fast it copies. */
+  readonly fs: PoolFilesystem;
 
   private constructor(
     readonly root: string,
@@ -119,6 +116,7 @@ export class Pool {
   ) {
     this.layout = new PoolLayout(root);
     this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
+    this.fs = new PoolFilesystem(this.layout);
   }
 
   /**
@@ -316,45 +314,6 @@ export class Pool {
     return (await this.quarantined())
       .filter((e) => e.startsWith(`${id}.`))
       .map((e) => path.join(this.layout.quarantineDir, e));
-  }
-
-  /** Whether the pool's filesystem can clone files by reflink (probed once, with a file of its own). */
-  canReflink(): Promise<boolean> {
-    this.reflink ??= (async () => {
-      const probe = path.join(this.layout.trashDir, `.reflink-probe-${randomBytes(6).toString('hex')}`);
-      try {
-        await fs.writeFile(probe, 'reflink probe\n');
-        await fs.copyFile(
-          probe,
-          `${probe}.clone`,
-          constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL,
-        );
-        return true;
-      } catch (err) {
-        const code = errnoCode(err);
-        if (code !== undefined && NO_REFLINK.has(code)) return false;
-        throw err;
-      } finally {
-        await fs.rm(probe, { force: true });
-        await fs.rm(`${probe}.clone`, { force: true });
-      }
-    })();
-    this.reflink.catch(() => {
-      this.reflink = undefined;
-    });
-    return this.reflink;
-  }
-
-  /** Records how fast a sparse copy of `bytes` went, to judge the next one against the freeze budget. */
-  recordCopy(bytes: number, seconds: number): void {
-    if (bytes < 16 * 2 ** 20 || seconds <= 0) return;
-    const rate = bytes / seconds;
-    this.copyRate = Math.round(this.copyRate * 0.5 + rate * 0.5);
-  }
-
-  /** Seconds a sparse copy of `bytes` is expected to take. */
-  copySeconds(bytes: number): number {
-    return bytes / this.copyRate;
   }
 
   /** Deletes a directory tree: renamed into the trash first (atomic), then removed. */

@@ -6,6 +6,10 @@ export type FsType = (typeof FS_TYPES)[number];
 export const isFsType = (v: unknown): v is FsType =>
   typeof v === 'string' && (FS_TYPES as readonly string[]).includes(v);
 
+/** What a volume holds: one of our filesystems, or 'none' (a raw block volume: whatever the pod made of it). */
+export type VolumeFs = FsType | 'none';
+const isVolumeFs = (v: unknown): v is VolumeFs => v === 'none' || isFsType(v);
+
 export const ALLOCATIONS = ['sparse', 'preallocate'] as const;
 export type Allocation = (typeof ALLOCATIONS)[number];
 export const isAllocation = (v: unknown): v is Allocation =>
@@ -48,7 +52,7 @@ export interface VolumeMeta {
   name: string;
   state: 'creating' | 'ready';
   capacityBytes: number;
-  fsType: FsType;
+  fsType: VolumeFs;
   allocation: Allocation;
   capabilities: Capability[];
   parameters: Record<string, string>;
@@ -90,7 +94,7 @@ export interface SnapshotMeta {
   state: 'creating' | 'ready';
   sourceVolumeId: string;
   sizeBytes: number;
-  fsType: FsType;
+  fsType: VolumeFs;
   /** Whether the source had been formatted or used raw (so a restore never gets formatted over). */
   initialized: boolean;
   parameters: Record<string, string>;
@@ -143,7 +147,7 @@ export function parseVolumeMeta(v: unknown): VolumeMeta | undefined {
     !str(v.name) ||
     (v.state !== 'creating' && v.state !== 'ready') ||
     !num(v.capacityBytes) ||
-    !isFsType(v.fsType) ||
+    !isVolumeFs(v.fsType) ||
     !isAllocation(v.allocation) ||
     caps.some((c) => c === undefined) ||
     !isStringRecord(v.parameters) ||
@@ -212,7 +216,7 @@ export function parseSnapshotMeta(v: unknown): SnapshotMeta | undefined {
     (v.state !== 'creating' && v.state !== 'ready') ||
     !str(v.sourceVolumeId) ||
     !num(v.sizeBytes) ||
-    !isFsType(v.fsType) ||
+    !isVolumeFs(v.fsType) ||
     typeof v.initialized !== 'boolean' ||
     !isStringRecord(v.parameters) ||
     !str(v.groupSnapshotId) ||

@@ -5,7 +5,7 @@
  */
 import { status as Code } from '@grpc/grpc-js';
 import { CallStopped, CommandError } from '../exec/runner.js';
-import { CsiError, type DomainKind, DomainError, type ErrorKind, isNoSpace } from '../errors.js';
+import { CsiError, type DomainKind, DomainError, errnoCode, type ErrorKind, isNoSpace } from '../errors.js';
 
 const KIND_TO_CODE: Record<ErrorKind, Code> = {
   invalid_argument: Code.INVALID_ARGUMENT,
@@ -62,6 +62,13 @@ export function toStatus(err: unknown): MappedStatus {
           message: 'The call ran past its deadline; what it had done was undone.',
           unexpected: false,
         };
+  }
+  if (errnoCode(err) === 'EFBIG' || (err instanceof CommandError && /File too large/i.test(err.stderr))) {
+    return {
+      code: Code.OUT_OF_RANGE,
+      message: "A file that large does not fit the pool's filesystem (EFBIG: its largest file is smaller).",
+      unexpected: false,
+    };
   }
   if (
     isNoSpace(err) ||

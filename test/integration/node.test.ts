@@ -155,7 +155,7 @@ describe.skipIf(!isRoot())('node lifecycle', () => {
     await v.unstage();
   });
 
-  it('stages and publishes a raw block volume, read-only really read-only', async () => {
+  it('stages and publishes a raw block volume, read-only as the access mode says', async () => {
     const v = await makeVolume(d, base, 'pvc-block', blockCap(), 32 * MiB);
     await v.stage();
     await v.stage();
@@ -178,13 +178,49 @@ describe.skipIf(!isRoot())('node lifecycle', () => {
     await ro.read(back, 0, MiB, 4 * MiB);
     await ro.close();
     expect(back.equals(payload)).toBe(true);
-    // The kernel lets a read-only device be opened for writing; every write fails.
-    const rw = await fs.open(v.target(2), 'r+');
-    await expect(rw.write(payload, 0, 4096, 0)).rejects.toThrow(/EPERM|EROFS|EACCES/);
-    await rw.close();
-    expect(await v.loops()).toHaveLength(2); // the staged device and a read-only one for this target
+    // A read-only publish binds the staged device itself, read-only (the runtime's device rule enforces it).
+    const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+      .split('\n')
+      .find((l) => l.split(' ')[4] === v.target(2));
+    expect(line?.split(' ')[5]?.split(',')).toContain('ro');
+    expect(await v.loops()).toHaveLength(1);
     await v.unpublish(2);
     expect(await v.loops()).toHaveLength(1);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+
+    // Staged read-only (a reader's access mode): the device itself refuses writes.
+    const reader = blockCap('SINGLE_NODE_READER_ONLY');
+    await v.stage(reader);
+    await v.publish(3, true, reader);
+    const rw = await fs.open(v.target(3), 'r+');
+    await expect(rw.write(payload, 0, 4096, 0)).rejects.toThrow(/EPERM|EROFS|EACCES/);
+    await rw.close();
+    await v.unpublish(3);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+  });
+
+  it('shows a block reader on this node what a writer wrote: one device, one cache (spec: NodePublishVolume)', async () => {
+    const cap = blockCap('SINGLE_NODE_MULTI_WRITER');
+    const v = await makeVolume(d, base, 'pvc-block-coherent', cap, 16 * MiB);
+    await v.stage();
+    await v.publish(1, false);
+    await v.publish(2, true);
+    const reader = await fs.open(v.target(2), 'r');
+    const writer = await fs.open(v.target(1), 'r+');
+    const seen = Buffer.alloc(4096);
+    for (const fill of [0x11, 0x22, 0x33]) {
+      await reader.read(seen, 0, 4096, 8 * MiB); // cached by the reader's device, if it had its own
+      await writer.write(Buffer.alloc(4096, fill), 0, 4096, 8 * MiB);
+      await writer.sync();
+      await reader.read(seen, 0, 4096, 8 * MiB);
+      expect(seen.every((b) => b === fill)).toBe(true);
+    }
+    await reader.close();
+    await writer.close();
+    await v.unpublish(2);
+    await v.unpublish(1);
     await v.unstage();
     expect(await v.loops()).toEqual([]);
   });
