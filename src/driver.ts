@@ -119,9 +119,12 @@ async function serve(
       host: kernelHost,
       poolRoot: pool.root,
     };
-    await thawLeftovers(nodeDeps, startup);
+    // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
+    // requests are answered.
     out.agent = new QuiesceAgent(nodeDeps, board, inflight, runner, log);
-    await out.agent.start();
+    await out.agent.prepare();
+    await thawLeftovers(nodeDeps, startup);
+    out.agent.run();
     out.node = nodeService(nodeDeps);
   }
   return out;

@@ -192,7 +192,7 @@ async function freezeAll(
       }
       if (!answer) {
         throw conflict(
-          `Node ${p.writer.lease.node} did not answer a request to freeze volume ${p.writer.volumeId} within ${Math.round(d.freezeWaitMs / 1000)} s (is its node plugin running?); no copy was made.`,
+          `Node ${p.writer.lease.node} did not answer a request to freeze volume ${p.writer.volumeId} within ${Math.round(d.freezeWaitMs / 1000)} s (is its node plugin running, or its freeze stuck on a slow filesystem?); no copy was made.`,
         );
       }
       if (answer.state === 'failed' || answer.state === 'expired' || answer.state === 'thawed') {

@@ -7,6 +7,13 @@ import { CommandError, type Exec } from '../exec/runner.js';
 import { unsafe } from '../errors.js';
 import type { FsType } from '../pool/types.js';
 
+/**
+ * mkfs, fsck and resize leave a filesystem half-written when killed midway, so they are never killed
+ * because a caller gave up: they run to their end (the call answers late; its retry waits for them,
+ * then finds their result), bounded only by a long timeout of their own.
+ */
+const UNINTERRUPTIBLE = { detached: true, timeoutMs: 6 * 60 * 60_000 } as const;
+
 export type DeviceContent =
   { kind: 'blank' } | { kind: 'filesystem'; type: string } | { kind: 'other'; what: string };
 
@@ -79,7 +86,7 @@ export async function formatDevice(
 ): Promise<void> {
   const [cmd, args] = mkfsCommand(fsType, device, true, compat);
   try {
-    await x.run(cmd, args, { timeoutMs: 10 * 60_000 });
+    await x.run(cmd, args, UNINTERRUPTIBLE);
   } catch (err) {
     // e2fsprogs older than 1.47 does not know assume_storage_prezeroed.
     if (
@@ -88,7 +95,7 @@ export async function formatDevice(
       /assume_storage_prezeroed|Bad option/i.test(err.stderr)
     ) {
       const [cmd2, args2] = mkfsCommand(fsType, device, false, compat);
-      await x.run(cmd2, args2, { timeoutMs: 10 * 60_000 });
+      await x.run(cmd2, args2, UNINTERRUPTIBLE);
       return;
     }
     throw err;
@@ -103,7 +110,7 @@ export async function formatDevice(
 export async function checkFilesystem(x: Exec, fsType: FsType, device: string, force = false): Promise<void> {
   if (fsType !== 'ext4') return;
   const args = force ? ['-f', '-p', device] : ['-p', device];
-  const { exitCode } = await x.run('e2fsck', args, { okCodes: [0, 1, 2, 4, 8], timeoutMs: 30 * 60_000 });
+  const { exitCode } = await x.run('e2fsck', args, { ...UNINTERRUPTIBLE, okCodes: [0, 1, 2, 4, 8] });
   if (exitCode >= 4) {
     throw unsafe(
       `The ext4 filesystem on ${device} has errors that need a manual e2fsck (exit status ${exitCode}); it was not mounted.`,
@@ -195,7 +202,7 @@ export function growthSlack(deviceBytes: number): number {
 /** Grows an unmounted ext4 filesystem to fill its device (resize2fs wants a forced check first). */
 export async function growExt4Offline(x: Exec, device: string): Promise<void> {
   await checkFilesystem(x, 'ext4', device, true);
-  await x.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+  await x.run('resize2fs', [device], UNINTERRUPTIBLE);
 }
 
 export class OnlineGrowthUnsupported extends Error {
@@ -207,7 +214,7 @@ export async function growOnline(x: Exec, fsType: FsType, device: string, mountP
   switch (fsType) {
     case 'ext4':
       try {
-        await x.run('resize2fs', [device], { timeoutMs: 30 * 60_000 });
+        await x.run('resize2fs', [device], UNINTERRUPTIBLE);
       } catch (err) {
         if (
           err instanceof CommandError &&
@@ -221,10 +228,10 @@ export async function growOnline(x: Exec, fsType: FsType, device: string, mountP
       }
       return;
     case 'xfs':
-      await x.run('xfs_growfs', [mountPoint], { timeoutMs: 30 * 60_000 });
+      await x.run('xfs_growfs', [mountPoint], UNINTERRUPTIBLE);
       return;
     case 'btrfs':
-      await x.run('btrfs', ['filesystem', 'resize', 'max', mountPoint], { timeoutMs: 30 * 60_000 });
+      await x.run('btrfs', ['filesystem', 'resize', 'max', mountPoint], UNINTERRUPTIBLE);
       return;
   }
 }

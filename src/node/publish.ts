@@ -28,6 +28,7 @@ import {
   othersLoops,
   stagingLoop,
 } from './on-host.js';
+import { unmountIfOurs } from './stage.js';
 import { detachUnused } from './unstage.js';
 
 /** Access modes that allow the volume at more than one target on this node (spec NodePublishVolume table). */
@@ -148,8 +149,8 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
       undo.push(() => d.host.removeCreated(target));
     }
     await pausepoint('publish:prepared');
+    undo.push((cx) => unmountIfOurs(d, cx, r.id, target));
     await d.host.bind(x, source, target, options);
-    undo.push((cx) => d.host.unmountAll(cx, target));
     await pausepoint('publish:mounted');
     await checkBindFlags(d, x, r.id, target, options);
     checkpoint(x);

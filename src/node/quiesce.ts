@@ -8,12 +8,12 @@
  * unmounting a frozen filesystem, which would leave its superblock frozen for good.
  */
 import { errnoCode } from '../errors.js';
-import { bindExec, type Exec, type Runner } from '../exec/runner.js';
+import { bindExec, detached, type Exec, type Runner } from '../exec/runner.js';
 import type { Logger } from '../log.js';
 import { backingName } from '../host/loop.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import type { AnswerState, QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
-import { lookAtHost, type NodeDeps, stagingLoop } from './on-host.js';
+import { isBackedBy, isDeviceBind, loopOfMount, lookAtHost, type NodeDeps, stagingLoop } from './on-host.js';
 
 /** The in-process keys calls hold (the server's in-flight set). */
 export interface KeyLocks {
@@ -36,7 +36,15 @@ interface Frozen {
 
 export class QuiesceAgent {
   private readonly frozen = new Map<string, Frozen>();
+  /** Requests being frozen right now (a freeze runs beside the loop, which keeps thawing meanwhile). */
+  private readonly acting = new Set<string>();
+  /**
+   * Filesystems that may be frozen although their freeze failed or their thaw did: thawed again every
+   * round, their volume's key held (no unmount) until that succeeds.
+   */
+  private readonly stuck = new Map<string, Frozen>();
   private answers = new Map<string, QuiesceAnswer>();
+  private dirty = false;
   private timer: NodeJS.Timeout | undefined;
   private running: Promise<void> | undefined;
   private stopped = false;
@@ -53,11 +61,11 @@ export class QuiesceAgent {
   }
 
   /**
-   * Starts answering. Requests standing now were a predecessor's to answer: whatever it froze was
-   * thawed when this plugin started, so they are answered "expired" (a controller still copying under
-   * one of them discards its copy) and never frozen again.
+   * Ends a predecessor's freezes, before anything is thawed: requests standing now were its to answer,
+   * and are answered "expired" (a controller still copying under one discards its copy) and never
+   * frozen again. The caller thaws the pool's filesystems next (thawLeftovers), then calls run().
    */
-  async start(): Promise<void> {
+  async prepare(): Promise<void> {
     await this.board.prepare(this.d.nodeId);
     for (const r of (await this.board.requests(this.d.nodeId)).values()) {
       this.answers.set(r.requestId, {
@@ -67,23 +75,20 @@ export class QuiesceAgent {
       });
     }
     await this.board.writeAnswers(this.d.nodeId, this.answers);
+  }
+
+  /** Starts answering requests. */
+  run(): void {
     this.schedule();
   }
 
   private schedule(): void {
     if (this.stopped) return;
     this.timer = setTimeout(() => {
-      this.running = this.tick()
-        .catch((err: unknown) => {
-          this.log.warn(
-            { err: errnoCode(err) ?? String(err) },
-            'reading freeze requests failed; trying again',
-          );
-        })
-        .finally(() => {
-          this.running = undefined;
-          this.schedule();
-        });
+      this.running = this.tick().finally(() => {
+        this.running = undefined;
+        this.schedule();
+      });
     }, POLL_MS);
     this.timer.unref();
   }
@@ -93,53 +98,86 @@ export class QuiesceAgent {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
     await this.running;
-    for (const f of [...this.frozen.values()]) await this.thaw(f, 'thawed');
+    for (const f of [...this.frozen.values(), ...this.stuck.values()]) await this.thaw(f, 'thawed');
     if (this.answers.size > 0)
       await this.board.writeAnswers(this.d.nodeId, this.answers).catch(() => undefined);
   }
 
-  /** One round: thaw what was withdrawn or expired, then act on new requests. */
+  /** One round: thaw what was withdrawn, expired or stuck, then start freezes for new requests. */
   async tick(): Promise<void> {
-    const requests = await this.board.requests(this.d.nodeId);
-    let changed = false;
+    for (const f of [...this.stuck.values()]) await this.thaw(f, 'thawed');
+    let requests: Map<string, QuiesceRequest>;
+    try {
+      requests = await this.board.requests(this.d.nodeId);
+    } catch (err) {
+      // Nobody can be asked to withdraw now, so time is what ends a freeze: expire what is due.
+      this.log.warn({ err: errnoCode(err) ?? String(err) }, 'reading freeze requests failed; trying again');
+      for (const f of [...this.frozen.values()]) if (this.due(f)) await this.expire(f);
+      return;
+    }
     for (const f of [...this.frozen.values()]) {
       const standing = requests.get(f.request.volumeId);
-      if (standing?.requestId !== f.request.requestId) {
-        await this.thaw(f, 'thawed');
-        changed = true;
-      } else if (performance.now() - f.at > f.request.ttlMs) {
-        // Say so first: a controller still copying must learn that its copy is no longer frozen.
-        this.answers.set(f.request.requestId, {
-          volumeId: f.request.volumeId,
-          state: 'expired',
-          message: 'thawed when its time was up',
-        });
-        await this.board.writeAnswers(this.d.nodeId, this.answers);
-        await this.thaw(f, 'expired');
-        this.log.warn(
-          { volumeId: f.request.volumeId, by: f.request.by },
-          'a freeze ran out of time and was thawed',
-        );
-        changed = true;
-      }
+      if (standing?.requestId !== f.request.requestId) await this.thaw(f, 'thawed');
+      else if (this.due(f)) await this.expire(f);
     }
     for (const r of requests.values()) {
-      if (this.answers.has(r.requestId)) continue;
-      const answer = await this.act(r);
-      if (answer) {
-        this.answers.set(r.requestId, answer);
-        changed = true;
-      }
+      if (this.answers.has(r.requestId) || this.acting.has(r.requestId)) continue;
+      this.acting.add(r.requestId);
+      void this.act(r)
+        .then((answer) => {
+          if (answer) {
+            this.answers.set(r.requestId, answer);
+            this.dirty = true;
+          }
+        })
+        .finally(() => this.acting.delete(r.requestId));
     }
     // Answers to requests that no longer stand are no longer read by anyone.
     const standingIds = new Set([...requests.values()].map((r) => r.requestId));
     for (const id of [...this.answers.keys()]) {
       if (!standingIds.has(id) && !this.frozen.has(id)) {
         this.answers.delete(id);
-        changed = true;
+        this.dirty = true;
       }
     }
-    if (changed) await this.board.writeAnswers(this.d.nodeId, this.answers);
+    await this.flush();
+  }
+
+  private due(f: Frozen): boolean {
+    return performance.now() - f.at > f.request.ttlMs;
+  }
+
+  /**
+   * Thaws a freeze whose time is up. It says so first (a controller still copying must learn its copy
+   * is no longer frozen); if that cannot be written (a full or failing pool), it thaws all the same:
+   * the controller stops copying before this time by its own clock, and a pod must not stay frozen.
+   */
+  private async expire(f: Frozen): Promise<void> {
+    this.answers.set(f.request.requestId, {
+      volumeId: f.request.volumeId,
+      state: 'expired',
+      message: 'thawed when its time was up',
+    });
+    this.dirty = true;
+    await this.flush();
+    await this.thaw(f, 'expired');
+    this.log.warn(
+      { volumeId: f.request.volumeId, by: f.request.by },
+      'a freeze ran out of time and was thawed',
+    );
+  }
+
+  private async flush(): Promise<void> {
+    if (!this.dirty) return;
+    try {
+      await this.board.writeAnswers(this.d.nodeId, this.answers);
+      this.dirty = false;
+    } catch (err) {
+      this.log.warn(
+        { err: errnoCode(err) ?? String(err) },
+        'writing the answers to freeze requests failed; trying again',
+      );
+    }
   }
 
   /** Freezes for `r`; undefined when the volume is busy with a node call (asked again next round). */
@@ -154,21 +192,36 @@ export class QuiesceAgent {
     let keep = false;
     try {
       const lease = await this.d.volumes.lease(r.volumeId, this.d.nodeId);
-      if (!lease || lease.readonly) return answer('not-staged', 'not staged for writing on this node');
-      if (lease.accessType === 'block')
-        return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');
       const on = await lookAtHost(this.d, this.x, r.volumeId);
-      const loop = stagingLoop(on.loops, lease, on.mounts);
-      if (!loop) return answer('not-staged', 'not mounted on this node');
-      await this.d.host.freeze(this.x, lease.stagingPath);
-      this.frozen.set(r.requestId, {
+      const loop = lease ? stagingLoop(on.loops, lease, on.mounts) : undefined;
+      // Judged by what is mounted here, not by the lease alone: a writable mount of the volume on this
+      // host is frozen whatever the records say.
+      const writable = on.mounts.find(
+        (m) => !isDeviceBind(m) && !m.superOptions.includes('ro') && loopOfMount(m, on.loops),
+      );
+      if (!writable) {
+        if (lease?.accessType === 'block' && loop && !loop.readOnly) {
+          return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');
+        }
+        return answer('not-staged', 'not mounted for writing on this node');
+      }
+      const frozen: Frozen = {
         request: r,
         release: got,
-        device: loop.path,
-        mountPoint: lease.stagingPath,
+        device: writable.source,
+        mountPoint: writable.mountPoint,
         at: performance.now(),
-      });
+      };
       keep = true;
+      try {
+        await this.d.host.freeze(this.x, writable.mountPoint);
+      } catch (err) {
+        // fsfreeze is killed only once FIFREEZE returned: the filesystem may be frozen. Thaw it before
+        // letting go of the volume (or keep trying, holding it).
+        await this.thaw(frozen, 'failed');
+        return answer('failed', err instanceof Error ? err.message : String(err));
+      }
+      this.frozen.set(r.requestId, frozen);
       this.log.info(
         { volumeId: r.volumeId, by: r.by, purpose: r.purpose, ttlMs: r.ttlMs },
         'froze a filesystem for a copy',
@@ -181,25 +234,31 @@ export class QuiesceAgent {
     }
   }
 
-  private async thaw(f: Frozen, state: 'thawed' | 'expired'): Promise<void> {
+  /** Thaws; a thaw that fails keeps the volume's key and is tried again every round. */
+  private async thaw(f: Frozen, state: 'thawed' | 'expired' | 'failed'): Promise<void> {
+    this.frozen.delete(f.request.requestId);
     try {
       // Through any mount of the superblock: the staging mount is there (unmounts wait for the key).
-      const thawed = await this.d.host.thawDevice(this.x, f.device);
-      if (thawed === undefined)
+      const thawed = await this.d.host.thawDevice(detached(this.x), f.device);
+      if (thawed === undefined) {
         this.log.error({ device: f.device }, 'no mount of a frozen filesystem is left to thaw it through');
+      }
     } catch (err) {
+      this.stuck.set(f.device, f);
       this.log.error(
         { device: f.device, mountPoint: f.mountPoint, err },
-        'could not thaw a filesystem; run fsfreeze --unfreeze on it',
+        'could not thaw a filesystem; trying again (fsfreeze --unfreeze by hand would end it too)',
       );
-    } finally {
-      this.frozen.delete(f.request.requestId);
-      f.release();
-      if (state === 'thawed') {
-        this.answers.set(f.request.requestId, { volumeId: f.request.volumeId, state, message: 'thawed' });
-      }
-      this.log.info({ volumeId: f.request.volumeId, state }, 'thawed a filesystem frozen for a copy');
+      return;
     }
+    this.stuck.delete(f.device);
+    f.release();
+    if (state === 'thawed') {
+      this.answers.set(f.request.requestId, { volumeId: f.request.volumeId, state, message: 'thawed' });
+      this.dirty = true;
+    }
+    if (state !== 'failed')
+      this.log.info({ volumeId: f.request.volumeId, state }, 'thawed a filesystem frozen for a copy');
   }
 }
 
@@ -209,15 +268,14 @@ export class QuiesceAgent {
  * harmless (fsfreeze says so, and that is ignored).
  */
 export async function thawLeftovers(d: NodeDeps, x: Exec): Promise<number> {
-  const poolDev = (await d.host.fileId(d.poolRoot))?.dev;
   const loops = await d.host.loops(x, (l) => backingName(l) === IMAGE_FILE);
-  const ofPool = loops.filter(
-    (l) =>
-      (l.backing !== undefined && l.backing.dev === poolDev) || l.backingFile.startsWith(`${d.poolRoot}/`),
-  );
   const mounts = await d.host.mounts();
   let thawed = 0;
-  for (const loop of ofPool) {
+  for (const loop of loops) {
+    // Only this pool's volumes: the id the path names, and (when it can be read) the same file.
+    const id = /\/(vol-[0-9a-f]{32})(\.[^/]*)?\/disk\.img( \(deleted\))?$/.exec(loop.backingFile)?.[1];
+    if (!id || !isBackedBy(loop, id, await d.host.fileId(d.volumes.imagePath(id)))) continue;
+    if (loop.backing === undefined && !loop.backingFile.startsWith(`${d.poolRoot}/`)) continue;
     try {
       if (await d.host.thawDevice(x, loop.path, mounts)) {
         thawed++;

@@ -21,6 +21,7 @@ import { prepareFilesystem } from './format.js';
 import { growMounted } from './grow.js';
 import {
   callerPath,
+  classifyAt,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -108,12 +109,22 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     await d.volumes.dropLease(r.id, d.nodeId);
     await d.volumes.takeLease(r.id, lease);
   }
-  const undo: Undo[] = previous ? [] : [() => d.volumes.dropLease(r.id, d.nodeId)];
+  // What this call did, undone in reverse order when a later step fails. Each undo is registered
+  // before its step runs: a command killed after the kernel acted (a mount that took effect) is undone
+  // too. The lease goes last, and only when nothing of the volume is left attached here.
+  const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
   const attach = async (ro: boolean): Promise<LoopDevice> => {
-    const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
-    undo.push((cx) => d.host.detach(cx, loop));
-    x.log.info({ device: loop.path, readOnly: ro, directIo: loop.directIo }, 'attached loop device');
-    return loop;
+    const before = new Set((await lookAtHost(d, x, r.id)).loops.map((l) => l.name));
+    try {
+      const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
+      undo.push((cx) => d.host.detach(cx, loop));
+      x.log.info({ device: loop.path, readOnly: ro, directIo: loop.directIo }, 'attached loop device');
+      return loop;
+    } catch (err) {
+      // losetup killed or failed after attaching: detach what appeared meanwhile that nothing uses.
+      await detachNew(d, detached(x), r.id, before);
+      throw err;
+    }
   };
   try {
     for (const l of stale) {
@@ -171,6 +182,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
 
     await d.host.makeDir(staging);
     const options = stageMountOptions(fsType, readOnly, r.cap.mountFlags);
+    undo.push((cx) => unmountIfOurs(d, cx, r.id, staging));
     try {
       await d.host.mount(x, { fsType, source: loop.path, target: staging, options });
     } catch (err) {
@@ -179,7 +191,6 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       const why = mountErrorLine(err);
       throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);
     }
-    undo.push((cx) => d.host.unmountAll(cx, staging));
     failpoint('stage:mounted');
     await pausepoint('stage:mounted');
     if (live && (await d.host.thaw(x, staging))) {
@@ -197,6 +208,42 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     }
     throw err;
   }
+}
+
+/** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */
+async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<string>): Promise<void> {
+  const now = await lookAtHost(d, x, id);
+  for (const l of now.loops) {
+    if (before.has(l.name) || now.mounts.some((m) => loopOfMount(m, [l]))) continue;
+    x.log.warn({ device: l.path }, 'detaching a loop device an interrupted attach left');
+    await d.host.detach(x, l);
+  }
+}
+
+/** Unmounts what is mounted at `p` when it is volume `id` (and only then). */
+export async function unmountIfOurs(d: NodeDeps, x: Exec, id: string, p: string): Promise<void> {
+  const on = await lookAtHost(d, x, id);
+  const { ours, foreign } = classifyAt(on, p);
+  if (ours.length > 0 && foreign.length === 0) await d.host.unmountAll(x, p, on.mounts);
+}
+
+/**
+ * A rolled-back stage releases its lease only when none of the volume's loop devices is left attached
+ * on this host (outside other nodes' stagings): a device the kernel could not let go of (still
+ * mounted, or held) means the volume may still be in use here, and another node must not stage it.
+ */
+async function dropLeaseIfGone(d: NodeDeps, x: Exec, id: string): Promise<void> {
+  const on = await lookAtHost(d, x, id);
+  const others = await othersLoops(d, on);
+  const left = on.loops.filter((l) => !others.has(l.name));
+  if (left.length > 0) {
+    x.log.error(
+      { volumeId: id, devices: left.map((l) => l.path) },
+      'a rolled-back stage left the volume attached here; keeping its lease so that no other node stages it',
+    );
+    return;
+  }
+  await d.volumes.dropLease(id, d.nodeId);
 }
 
 /**

@@ -85,6 +85,22 @@ export class FakeHost implements Host {
     this.faults.push({ match: (op) => op.split(' ')[0] === kind, err, once: true });
   }
 
+  /**
+   * The next `kind` step takes effect and is then reported failed, as when a command is killed after
+   * the kernel acted (a mount that took effect, then a timeout): its caller must undo it all the same.
+   */
+  killAfter(kind: 'attach' | 'mount' | 'bind'): void {
+    const self = this as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const original = self[kind];
+    if (!original) throw new Error(`no step ${kind}`);
+    self[kind] = async (...args: unknown[]) => {
+      self[kind] = original;
+      await original.apply(this, args);
+      this.ops.push(`(${kind} reported killed after it took effect)`);
+      throw commandError(kind, `${kind}: killed`);
+    };
+  }
+
   /** Every operation whose log line `match` accepts fails with `err`. */
   failWhen(match: (op: string) => boolean, err: Error): void {
     this.faults.push({ match, err, once: false });

@@ -381,6 +381,28 @@ describe('a stage that fails undoes what it did', () => {
     await expectNothingLeft(w, id);
   });
 
+  it.each(['attach', 'mount'] as const)(
+    'undoes a %s that took effect although its command was reported killed',
+    async (step) => {
+      const w = await world();
+      const { id } = await newVolume(w);
+      w.host.killAfter(step);
+      expect(await codeOf(stage(w, id))).toBe('INTERNAL');
+      expect(w.host.ops).toContain(`(${step} reported killed after it took effect)`);
+      await expectNothingLeft(w, id);
+    },
+  );
+
+  it('keeps the lease when the rollback cannot detach the volume (something still holds it)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    w.host.killAfter('mount');
+    w.host.failWhen((op) => op.startsWith('umount '), commandError('umount', 'target is busy'));
+    expect(await codeOf(stage(w, id))).toBe('INTERNAL');
+    expect(w.host.mountsAt(STAGING)).toHaveLength(1); // still mounted: the volume is in use here
+    expect(await w.volumes.lease(id, NODE)).toMatchObject({ node: NODE }); // so no other node may stage it
+  });
+
   it('undoes the mount, the attachment and the lease when the caller gives up once it is mounted', async () => {
     const w = await world();
     const { id } = await newVolume(w);
@@ -584,6 +606,17 @@ describe('NodeUnpublishVolume', () => {
     expect(w.host.kindOf(TARGET)).toBe('absent');
     expect(w.host.mountsAt(STAGING)).toHaveLength(1);
     expect(await during(w, () => unpublish(w, id))).toEqual({ code: 'OK', ops: [] });
+  });
+
+  it('undoes a bind that took effect although its command was reported killed', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    w.host.killAfter('bind');
+    expect(await codeOf(publish(w, id))).toBe('INTERNAL');
+    expect(w.host.mountsAt(TARGET)).toEqual([]);
+    expect(w.host.kindOf(TARGET)).toBe('absent');
+    expect(w.host.mountsAt(STAGING)).toHaveLength(1);
   });
 
   it('binds a read-only block publish to the staged device itself, and keeps it at unpublish', async () => {
