@@ -26,6 +26,7 @@ export interface Config {
   shutdownTimeoutMs: number;
   freezeBudgetMs: number;
   createPool: boolean;
+  nodeFenceMs: number;
 }
 
 export const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
@@ -112,6 +113,12 @@ export const FLAGS: readonly FlagSpec[] = [
     value: 'SECONDS',
     default: '5',
     help: 'longest a volume in use may stay frozen for a snapshot or clone on a pool that cannot reflink (longer copies are refused)',
+  },
+  {
+    name: 'node-fence-seconds',
+    value: 'SECONDS',
+    default: '60',
+    help: 'how long a node that still holds a volume the CO detached from it must be silent before another node may stage that volume (unless it fences itself sooner)',
   },
   {
     name: 'shutdown-timeout',
@@ -286,6 +293,11 @@ export function parseConfig(argv: readonly string[]): ParseResult {
     throw new ConfigError(`--shutdown-timeout ${shutdownText}: must be whole seconds from 0 to 3600`);
   }
 
+  const fenceText = get('node-fence-seconds');
+  const fenceSeconds = /^\d+$/.test(fenceText) ? Number(fenceText) : NaN;
+  if (!Number.isSafeInteger(fenceSeconds) || fenceSeconds < 1 || fenceSeconds > 86_400) {
+    throw new ConfigError(`--node-fence-seconds ${fenceText}: must be whole seconds from 1 to 86400`);
+  }
   const createText = get('create-pool');
   if (createText !== 'true' && createText !== 'false') {
     throw new ConfigError(`--create-pool ${createText}: must be true or false`);
@@ -314,6 +326,7 @@ export function parseConfig(argv: readonly string[]): ParseResult {
       shutdownTimeoutMs: shutdownSeconds * 1000,
       freezeBudgetMs: Math.round(budgetSeconds * 1000),
       createPool: createText === 'true',
+      nodeFenceMs: fenceSeconds * 1000,
     },
   };
 }

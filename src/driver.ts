@@ -7,6 +7,7 @@
  * FAILED_PRECONDITION, looks for the pool every few seconds, and serves it as soon as it appears.
  */
 import type http from 'node:http';
+import fs from 'node:fs/promises';
 import os from 'node:os';
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
@@ -75,7 +76,7 @@ async function serve(
   inflight: InFlight,
 ): Promise<Serving> {
   const capacity = new Capacity(pool.layout, config.overcommitRatio);
-  const nodes = new NodeRegistry(pool.layout);
+  const nodes = new NodeRegistry(pool.layout, config.nodeFenceMs);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
   const snapshots = new SnapshotStore(pool, log);
   const board = new QuiesceBoard(pool);
@@ -118,6 +119,7 @@ async function serve(
       nodes,
       host: kernelHost,
       poolRoot: pool.root,
+      bootId: (await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown')).trim(),
     };
     // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
     // requests are answered.
@@ -243,8 +245,9 @@ export async function startDriver(
         if (stopped || serving) return;
         try {
           const pool = await Pool.open(config.poolDir, config.poolName, log, openOptions);
-          state = pool;
+          // Ready only once every service is there to serve it.
           serving = await serve(config, pool, log, runner, inflight);
+          state = pool;
           log.info({ pool: pool.root, id: pool.id }, 'the pool appeared; serving it');
         } catch (err) {
           if (!(err instanceof PoolMissing)) log.warn({ err }, 'the pool is there but cannot be opened yet');

@@ -88,8 +88,10 @@ async function copyHeld<T>(
 ): Promise<T> {
   const writers: Writer[] = [];
   for (const volumeId of ids) {
-    for (const lease of await d.volumes.leases(volumeId))
-      if (!lease.readonly) writers.push({ volumeId, lease });
+    for (const lease of await d.volumes.leases(volumeId)) {
+      // A fenced node froze the filesystem for good: it writes no more.
+      if (!lease.readonly && lease.fencedAt === undefined) writers.push({ volumeId, lease });
+    }
   }
   const reflink = await d.pool.fs.canReflink();
   let ttlMs = CLONE_FREEZE_MS;

@@ -31,6 +31,24 @@ export interface NodeDeps {
   host: Host;
   /** The pool's real path: no staging or target path may lie inside it. */
   poolRoot: string;
+  /** This host's boot id: what the node froze for good is remembered per boot. */
+  bootId: string;
+}
+
+/**
+ * The loop devices of volume `id` on this host that this node froze for good after the volume was
+ * taken from it (see node/quiesce.ts). They are never thawed: writes waiting on them belong to a pod
+ * that lost the volume, and another node may be writing it now. Only a reboot ends them.
+ */
+export async function fencedDevices(d: NodeDeps, id: string): Promise<Set<string>> {
+  const entries = await d.nodes.fenced(d.nodeId, d.bootId);
+  return new Set(entries.filter((e) => e.volumeId === id).map((e) => e.device));
+}
+
+export function fencedError(id: string, device: string) {
+  return conflict(
+    `Volume ${id} was taken from this node while mounted (a force-detach), so its filesystem on ${device} was frozen for good: writes the old pod left pending must never reach the volume. Reboot the node to release it.`,
+  );
 }
 
 /** A volume as this host has it: its image, the loop devices backed by it, and the mount table. */
@@ -61,6 +79,16 @@ function pathNames(l: LoopDevice, id: string): boolean {
 export function isBackedBy(l: LoopDevice, id: string, imageId: FileId | undefined): boolean {
   if (imageId !== undefined && l.backing !== undefined) return sameFile(l.backing, imageId);
   return pathNames(l, id);
+}
+
+/**
+ * Whether loop device `l` is backed by this pool's image of volume `id`, proven: by identity when the
+ * device's can be read, else by a path inside this pool's root. A path that only names the id (from
+ * another root) is not proof here: another pool on this host may hold a volume of the same id.
+ */
+export async function isThisPoolsVolume(d: NodeDeps, l: LoopDevice, id: string): Promise<boolean> {
+  if (l.backing !== undefined) return sameFile(l.backing, await d.host.fileId(d.volumes.imagePath(id)));
+  return l.backingFile.replace(/ \(deleted\)$/, '') === d.volumes.imagePath(id);
 }
 
 export async function lookAtHost(d: NodeDeps, x: Exec, id: string): Promise<OnHost> {
@@ -96,7 +124,12 @@ export function stagingLoop(
   if (!lease) return undefined;
   if (lease.accessType === 'mount') {
     const top = mounts.filter((m) => m.mountPoint === lease.stagingPath).at(-1);
-    return top ? loops.find((l) => l.path === top.source) : undefined;
+    if (top) return loops.find((l) => l.path === top.source);
+    // Unmounted but still attached (a fenced filesystem whose frozen superblock holds its device).
+    // The name is only a hint (a device is reused once free): a mounted device is someone's staging.
+    if (lease.revokedAt === undefined || lease.device === undefined) return undefined;
+    const named = loops.find((l) => l.name === lease.device);
+    return named && !mounts.some((m) => m.source === named.path) ? named : undefined;
   }
   if (lease.device !== undefined) return loops.find((l) => l.name === lease.device);
   return loops.find((l) => l.readOnly === isReaderOnly(lease.mode));

@@ -114,8 +114,11 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     return;
   }
   if (!manyTargets(r.cap.mode)) {
+    // This node's other publications (not another node plugin's stagings on a shared host).
+    const others = await othersLoops(d, on);
+    const mine = on.loops.filter((l) => !others.has(l.name));
     const other = on.mounts.find(
-      (m) => m.mountPoint !== staging && m.mountPoint !== target && loopOfMount(m, on.loops),
+      (m) => m.mountPoint !== staging && m.mountPoint !== target && loopOfMount(m, mine),
     );
     if (other)
       throw conflict(

@@ -22,6 +22,8 @@ import { growMounted } from './grow.js';
 import {
   callerPath,
   classifyAt,
+  fencedDevices,
+  fencedError,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -77,6 +79,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const staging = await callerPath(d, r.staging, 'staging_target_path');
   const readOnly = isReaderOnly(r.cap.mode);
   const on = await lookAtHost(d, x, r.id);
+  const fenced = [...(await fencedDevices(d, r.id))].find((dev) => on.loops.some((l) => l.path === dev));
+  if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;
 
@@ -147,9 +151,10 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     await pausepoint('stage:attached');
     checkpoint(x);
 
+    // The lease names the device (a hint, checked against /sys/block): for a raw block volume it is
+    // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
+    await d.volumes.takeLease(r.id, { ...lease, device: loop.name });
     if (r.cap.accessType === 'block') {
-      // Nothing is mounted for a staged block volume: the lease says which device is this node's.
-      await d.volumes.takeLease(r.id, { ...lease, device: loop.name });
       if (!(await d.volumes.isInitialized(r.id)))
         await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`);
       checkpoint(x);

@@ -11,6 +11,8 @@ import { isVolumeId } from '../pool/ids.js';
 import {
   callerPath,
   classifyAt,
+  fencedDevices,
+  fencedError,
   foreignMountError,
   isDeviceBind,
   loopOfMount,
@@ -46,10 +48,13 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   const { ours: oursAt, foreign } = classifyAt(on, staging, ours);
   if (foreign.length > 0) throw foreignMountError(on, staging, 'staging_target_path', foreign);
 
+  const fenced = await fencedDevices(d, r.id);
   let table = on.mounts;
   if (oursAt.length > 0) {
-    // A frozen filesystem that is unmounted stays frozen, holding its device: thaw it first.
-    if (!oursAt.every(isDeviceBind) && (await d.host.thaw(x, staging))) {
+    // A frozen filesystem that is unmounted stays frozen, holding its device: thaw it first, unless it
+    // is this node's fence (the volume was taken from it), which is never thawed.
+    const thawable = lease !== undefined && !oursAt.some((m) => fenced.has(m.source));
+    if (thawable && !oursAt.every(isDeviceBind) && (await d.host.thaw(x, staging))) {
       x.log.warn({ staging }, 'thawed a frozen filesystem before unmounting it');
     }
     table = await d.host.unmountAll(x, staging, on.mounts);
@@ -57,6 +62,12 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
       throw broken(`Volume ${r.id} is still mounted at ${staging} after unmounting it.`);
     }
     x.log.info({ staging }, 'unmounted staging path');
+  }
+  const held = ours.find((l) => fenced.has(l.path));
+  if (held) {
+    // Unmounted; its frozen superblock keeps the device until the node reboots.
+    await detachUnused(d, x, ours, table).catch(() => undefined);
+    throw fencedError(r.id, held.path);
   }
   await detachUnused(d, x, ours, table);
   await d.volumes.dropLease(r.id, d.nodeId);

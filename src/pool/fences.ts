@@ -62,7 +62,7 @@ export abstract class VolumeFences {
         `The fence record ${this.layout.volumeFences(id)} of volume ${id} cannot be read (${r.reason}); nothing was changed, an operator must repair it.`,
       );
     }
-    return r.state === 'ok' ? r.value : { attachments: {}, leases: {} };
+    return r.state === 'ok' ? r.value : { attachments: {}, leases: {}, revoked: {} };
   }
 
   private async writeFenceFile(id: string, f: FenceFile): Promise<void> {
@@ -91,6 +91,10 @@ export abstract class VolumeFences {
       );
       out.set('?', unreadable('unknown (fences.json unreadable)'));
     } else if (f.state === 'ok') {
+      // A revoked lease still fences the volume until it is released (see released()).
+      if (kind === 'leases') {
+        for (const [node, v] of Object.entries(f.value.revoked)) out.set(node, v as unknown as T);
+      }
       for (const [node, v] of Object.entries(f.value[kind])) out.set(node, v as unknown as T);
     }
     for (const name of (await listDir(dir)).filter((n) => n.endsWith('.json'))) {
@@ -194,12 +198,18 @@ export abstract class VolumeFences {
       const targets = node === undefined ? (await this.attachments(id)).map((a) => a.node) : [node];
       const f = await this.fenceFileForUpdate(id);
       const gone = new Set(targets);
+      // A node detached while it still has the volume staged (a force-detach: Kubernetes does it when a
+      // node is unreachable) may still write to it. Its lease is revoked, not removed: other nodes stay
+      // out until that node confirms it stopped (it freezes the filesystem) or is seen dead.
+      const revoked = { ...f.revoked };
       for (const n of targets) {
         if (!isNodeId(n)) continue;
-        if (n in f.leases || (await exists(this.layout.lease(id, n)))) {
+        const lease = f.leases[n] ?? (await this.legacyLease(id, n));
+        if (lease) {
+          revoked[n] = { ...lease, revokedAt: new Date().toISOString() };
           this.log.warn(
             { volumeId: id, node: n },
-            'released the stage lease of a node the volume was unpublished from',
+            'revoked the stage lease of a node the volume was detached from; other nodes wait until it has fenced itself or is seen dead',
           );
         }
       }
@@ -207,6 +217,7 @@ export abstract class VolumeFences {
       await this.writeFenceFile(id, {
         attachments: without(f.attachments, gone),
         leases: without(f.leases, gone),
+        revoked,
       });
       for (const n of targets) {
         if (!isNodeId(n)) continue;
@@ -244,13 +255,21 @@ export abstract class VolumeFences {
       await this.mustGet(id);
       const all = await this.leases(id);
       const shareable = (l: Lease): boolean => isMultiNode(l.mode) && l.readonly;
-      const blocking = all.find((l) => l.node !== lease.node && !(shareable(l) && shareable(lease)));
-      if (blocking) {
-        throw conflict(
-          `Volume ${id} is staged on node ${blocking.node} since ${blocking.since}; it must be unstaged there (or unpublished from that node) before node ${lease.node} can stage it.`,
-        );
+      for (const l of all) {
+        if (l.node === lease.node) continue;
+        if (l.revokedAt !== undefined) {
+          if (await this.released(l)) continue;
+          throw conflict(
+            `Volume ${id} was detached from node ${l.node} at ${l.revokedAt} while still staged there; node ${lease.node} can stage it once ${l.node} has fenced itself (its plugin freezes the filesystem) or has been silent for ${Math.round(this.nodes.fenceMs / 1000)} s.`,
+          );
+        }
+        if (!(shareable(l) && shareable(lease))) {
+          throw conflict(
+            `Volume ${id} is staged on node ${l.node} since ${l.since}; it must be unstaged there (or unpublished from that node) before node ${lease.node} can stage it.`,
+          );
+        }
       }
-      const mine = all.find((l) => l.node === lease.node);
+      const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
       if (mine && mine.stagingPath !== lease.stagingPath) return mine;
       if (
         !mine ||
@@ -265,7 +284,10 @@ export abstract class VolumeFences {
         // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
         await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
         await writeFileAtomic(this.layout.lease(id, lease.node), json(record));
-        await this.writeFenceFile(id, { ...f, leases: { ...f.leases, [lease.node]: record } });
+        // This node's own revoked lease is replaced by the new one. Other nodes' stay (released ones
+        // stop nobody) until those nodes unstage: they say which devices on their host are theirs.
+        const revoked = without(f.revoked, new Set([lease.node]));
+        await this.writeFenceFile(id, { ...f, leases: { ...f.leases, [lease.node]: record }, revoked });
       }
       return mine;
     });
@@ -275,10 +297,35 @@ export abstract class VolumeFences {
   async lease(id: string, node: string): Promise<Lease | undefined> {
     if (!isVolumeId(id)) return undefined;
     const f = await this.readFenceFile(id);
-    const inFile = f.state === 'ok' ? f.value.leases[node] : undefined;
-    if (inFile) return inFile;
+    if (f.state === 'ok') {
+      if (node in f.value.revoked) return undefined; // taken away from this node
+      const inFile = f.value.leases[node];
+      if (inFile) return inFile;
+    }
+    return this.legacyLease(id, node);
+  }
+
+  /** A per-node lease file (written by a release before fences.json). */
+  private async legacyLease(id: string, node: string): Promise<Lease | undefined> {
     const r = await readRecord(this.layout.lease(id, node), parseLease);
     return r.state === 'ok' ? r.value : undefined;
+  }
+
+  /** Whether a revoked lease no longer stops others: its node fenced itself, or is seen dead. */
+  async released(l: Lease): Promise<boolean> {
+    return l.fencedAt !== undefined || (await this.nodes.seenDead(l.node));
+  }
+
+  /** Records that `node` stopped writing a volume taken from it (its revoked lease is released). */
+  async markFenced(id: string, node: string, at: string): Promise<void> {
+    if (!isVolumeId(id)) return;
+    await this.pool.withLock(id, 'fence', async () => {
+      if (!(await exists(this.layout.volumeDir(id)))) return;
+      const f = await this.fenceFileForUpdate(id);
+      const l = f.revoked[node];
+      if (!l || l.fencedAt !== undefined) return;
+      await this.writeFenceFile(id, { ...f, revoked: { ...f.revoked, [node]: { ...l, fencedAt: at } } });
+    });
   }
 
   async dropLease(id: string, node: string): Promise<void> {
@@ -286,8 +333,14 @@ export abstract class VolumeFences {
     await this.pool.withLock(id, 'NodeUnstageVolume', async () => {
       if (!(await exists(this.layout.volumeDir(id)))) return;
       const f = await this.fenceFileForUpdate(id);
-      if (node in f.leases)
-        await this.writeFenceFile(id, { ...f, leases: without(f.leases, new Set([node])) });
+      if (node in f.leases || node in f.revoked) {
+        const gone = new Set([node]);
+        await this.writeFenceFile(id, {
+          ...f,
+          leases: without(f.leases, gone),
+          revoked: without(f.revoked, gone),
+        });
+      }
       await removeFile(this.layout.lease(id, node));
     });
   }
@@ -301,6 +354,8 @@ export abstract class VolumeFences {
 interface FenceFile {
   attachments: Record<string, Attachment>;
   leases: Record<string, Lease>;
+  /** Leases of nodes the volume was detached from while staged (see unpublish). */
+  revoked: Record<string, Lease>;
 }
 
 const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
@@ -308,8 +363,15 @@ const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<str
 
 function parseFenceFile(v: unknown): FenceFile | undefined {
   if (!isRecord(v) || !isRecord(v.attachments) || !isRecord(v.leases)) return undefined;
+  if (v.revoked !== undefined && !isRecord(v.revoked)) return undefined;
   const attachments: Record<string, Attachment> = {};
   const leases: Record<string, Lease> = {};
+  const revoked: Record<string, Lease> = {};
+  for (const [node, l] of Object.entries(v.revoked ?? {})) {
+    const parsed = parseLease(l);
+    if (!parsed || parsed.node !== node || parsed.revokedAt === undefined) return undefined;
+    revoked[node] = parsed;
+  }
   for (const [node, a] of Object.entries(v.attachments)) {
     const parsed = parseAttachment(a);
     if (!parsed || parsed.node !== node) return undefined;
@@ -320,7 +382,7 @@ function parseFenceFile(v: unknown): FenceFile | undefined {
     if (!parsed || parsed.node !== node) return undefined;
     leases[node] = parsed;
   }
-  return { attachments, leases };
+  return { attachments, leases, revoked };
 }
 
 function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {

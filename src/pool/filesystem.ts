@@ -12,6 +12,7 @@ import type { PoolLayout } from './layout.js';
 
 /** A cautious guess at sparse-copy speed until this process has measured one (100 MiB/s). */
 const INITIAL_COPY_RATE = 100 * 2 ** 20;
+const MIB = 2 ** 20;
 
 export class PoolFilesystem {
   private reflink: Promise<boolean> | undefined;
@@ -62,13 +63,17 @@ export class PoolFilesystem {
           return true;
         } catch (err) {
           const code = errnoCode(err);
-          if (code === 'EFBIG' || code === 'EINVAL') return false;
+          // EFBIG is the answer; network filesystems relay the server's refusal as EPERM and the like.
+          if (code && ['EFBIG', 'EINVAL', 'EPERM', 'EOVERFLOW', 'ENOSPC', 'EDQUOT', 'EACCES'].includes(code))
+            return false;
           throw err;
         }
       };
       try {
         if (await fits(Number.MAX_SAFE_INTEGER)) return Number.MAX_SAFE_INTEGER;
-        let lo = 0; // fits
+        // A filesystem that refuses even a small sparse file says nothing about sizes: no limit known.
+        if (!(await fits(MIB))) return Number.MAX_SAFE_INTEGER;
+        let lo = MIB; // fits
         let hi = Number.MAX_SAFE_INTEGER; // does not
         while (hi - lo > 4096) {
           const mid = lo + Math.floor((hi - lo) / 2);

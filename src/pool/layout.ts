@@ -14,6 +14,8 @@
  *   groups/<group-id>/meta.json               volume group snapshots (their members are snapshots)
  *   nodes/<node>.json                 node plugins that serve this pool, and their attach limits
  *   nodes/<node>.attached/<vol-id>    index of volumes published to a node (counts the limit)
+ *   nodes/<node>.alive                the node plugin's heartbeat (rewritten every few seconds)
+ *   nodes/<node>.fenced               filesystems the node froze for good after a force-detach
  *   nodes/<node>.quiesce              freeze requests to a node (see pool/quiesce.ts)
  *   nodes/<node>.frozen               the node's answers to them
  *   locks/<key>.lock                  cross-process locks
@@ -116,6 +118,12 @@ export class PoolLayout {
   }
   nodeAttachedDir(node: string): string {
     return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.attached`);
+  }
+  nodeAlive(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.alive`);
+  }
+  nodeFenced(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.fenced`);
   }
   nodeQuiesceRequests(node: string): string {
     return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.quiesce`);

@@ -85,6 +85,14 @@ export interface Lease {
   since: string;
   /** The loop device (e.g. "loop3") the node staged it on: a hint, always checked against /sys/block. */
   device?: string;
+  /**
+   * Set when the CO detached the volume from the node (ControllerUnpublishVolume) while it still held
+   * this lease: the lease no longer lets the node use the volume, but it still stops other nodes until
+   * the node has fenced itself (fencedAt) or is seen dead.
+   */
+  revokedAt?: string;
+  /** When the node confirmed it stopped writing (froze the filesystem, or had nothing mounted). */
+  fencedAt?: string;
 }
 
 export interface SnapshotMeta {
@@ -193,10 +201,12 @@ export function parseAttachment(v: unknown): Attachment | undefined {
 
 export function parseLease(v: unknown): Lease | undefined {
   if (!isRecord(v)) return undefined;
-  const { node, stagingPath, accessType, mode, readonly, since, device } = v;
+  const { node, stagingPath, accessType, mode, readonly, since, device, revokedAt, fencedAt } = v;
   if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
   if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
   if (device !== undefined && !(str(device) && /^loop\d+$/.test(device))) return undefined;
+  if ((revokedAt !== undefined && !str(revokedAt)) || (fencedAt !== undefined && !str(fencedAt)))
+    return undefined;
   return {
     node,
     stagingPath,
@@ -205,6 +215,8 @@ export function parseLease(v: unknown): Lease | undefined {
     readonly,
     since,
     ...(device === undefined ? {} : { device }),
+    ...(revokedAt === undefined ? {} : { revokedAt }),
+    ...(fencedAt === undefined ? {} : { fencedAt }),
   };
 }
 

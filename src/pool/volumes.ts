@@ -31,7 +31,7 @@ import { allocatedBytes } from './images.js';
 import type { NodeRegistry } from './nodes.js';
 import type { HeldLock } from './lock.js';
 import { damagedRecord, type Pool } from './pool.js';
-import { parseVolumeMeta, type VolumeMeta } from './types.js';
+import { type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
 
 const LIST_BATCH = 256;
 
@@ -169,7 +169,10 @@ export class VolumeStore extends VolumeFences {
           `Volume ${id} is still published to node ${attachments.map((a) => a.node).join(', ')}; unpublish it first.`,
         );
       }
-      const leases = await this.leases(id);
+      const leases: Lease[] = [];
+      for (const l of await this.leases(id)) {
+        if (!(l.revokedAt !== undefined && (await this.released(l)))) leases.push(l);
+      }
       if (leases.length > 0) {
         throw conflict(
           `Volume ${id} is still staged on node ${leases.map((l) => l.node).join(', ')}; unstage it first.`,

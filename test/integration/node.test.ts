@@ -542,7 +542,14 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
     const base = await dir('deadnode');
     const n1 = await env.nodePlugin(base, 'node-1');
     const ctl = await driver({ dir: base, mode: 'controller' });
-    const n2 = await env.nodePlugin(base, 'node-2');
+    // node-2 judges node-1 dead after 2 s of silence (the default is 60).
+    const n2 = await driver({
+      dir: base,
+      socket: path.join(base, 'node-2.sock'),
+      nodeId: 'node-2',
+      mode: 'node',
+      extra: ['--node-fence-seconds=2'],
+    });
     const cap = mountCap('ext4');
     const id =
       (
@@ -573,7 +580,15 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
       node_id: 'node-2',
       volume_capability: cap,
     });
-    await v2.stage();
+    // Released once node-1 has been silent long enough (it can no longer write: it is dead).
+    const first = await errorOf(v2.stage());
+    expect(first.details).toMatch(/silent for 2 s/);
+    let staged = false;
+    for (let i = 0; i < 40 && !staged; i++) {
+      await new Promise((r) => setTimeout(r, 250));
+      staged = (await codeOf(v2.stage())) === 'OK';
+    }
+    expect(staged).toBe(true);
     await v2.unstage();
   });
 });

@@ -66,6 +66,7 @@ async function world(): Promise<World> {
     nodeId: NODE,
     poolName: 'test',
     poolId: pool.id,
+    bootId: 'test-boot',
     maxVolumesPerNode: 8,
     loopDirectIo: false,
     volumes,

@@ -1,0 +1,181 @@
+/**
+ * A force-detach (root only): the CO detaches a volume from a node that still has it mounted (what
+ * Kubernetes does after a node stops answering). Another node may stage it only once the first has
+ * fenced itself (its plugin froze the filesystem for good) or has been silent long enough; a fenced
+ * filesystem is never thawed by the driver.
+ */
+import { execFileSync } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { afterAll, describe, expect, it } from 'vitest';
+import type { DriverProcess } from '../helpers/driver.js';
+import { mountCap, TestEnv } from '../helpers/env.js';
+import { codeOf, errorOf } from '../helpers/grpc.js';
+import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
+
+const env = new TestEnv();
+const fencedDevices: string[] = [];
+afterAll(async () => {
+  // What a reboot of the fenced node would end: mount each fenced superblock again (the kernel hands
+  // back the frozen one), thaw it, and unmount it, so its loop device goes.
+  for (const dev of fencedDevices) {
+    const mp = await fs.mkdtemp('/tmp/loopvol-test-thaw-');
+    try {
+      execFileSync('mount', ['-t', 'ext4', dev, mp], { stdio: 'ignore' });
+      execFileSync('fsfreeze', ['--unfreeze', mp], { stdio: 'ignore' });
+    } catch {
+      // not frozen, or gone
+    } finally {
+      try {
+        execFileSync('umount', [mp], { stdio: 'ignore' });
+      } catch {
+        // was not mounted
+      }
+      await fs.rm(mp, { recursive: true, force: true });
+    }
+  }
+  expect(await env.teardown()).toEqual([]);
+});
+
+/** The loop device mounted at `mp`. */
+async function sourceOf(mp: string): Promise<string> {
+  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .find((l) => l.split(' ')[4] === mp);
+  return line?.split(' - ')[1]?.split(' ')[1] ?? '';
+}
+
+const cap = mountCap('ext4');
+const RUN = Date.now().toString(36);
+
+/** True when the filesystem at `mp` is frozen (freezing it again says busy). */
+function frozen(mp: string): boolean {
+  try {
+    execFileSync('fsfreeze', ['--freeze', mp], { stdio: 'pipe' });
+  } catch (err) {
+    return /busy/i.test(String((err as { stderr?: Buffer }).stderr));
+  }
+  execFileSync('fsfreeze', ['--unfreeze', mp]);
+  return false;
+}
+
+async function retryUntilOk(call: () => Promise<unknown>, seconds: number): Promise<{ refusals: string[] }> {
+  const refusals: string[] = [];
+  const end = Date.now() + seconds * 1000;
+  for (;;) {
+    const e = await errorOf(call()).catch(() => undefined);
+    if (!e) return { refusals };
+    refusals.push(`${e.code}: ${e.details}`);
+    if (Date.now() > end) throw new Error(`still refused after ${seconds} s: ${refusals.at(-1) ?? ''}`);
+    await new Promise((r) => setTimeout(r, 500));
+  }
+}
+
+async function setup(tag: string) {
+  const base = await env.dir(tag);
+  const ctl = await env.driver({ dir: base, mode: 'controller', socket: path.join(base, 'ctl.sock') });
+  const nodeArgs = (id: string) => ({
+    dir: base,
+    mode: 'node' as const,
+    nodeId: id,
+    socket: path.join(base, `${id}.sock`),
+    extra: ['--node-fence-seconds=4'],
+  });
+  const a = await env.driver(nodeArgs('node-a'));
+  const b = await env.driver(nodeArgs('node-b'));
+  const id =
+    (
+      await ctl.clients.controller.CreateVolume({
+        name: `pvc-fence-${tag}-${RUN}`,
+        capacity_range: { required_bytes: String(64 * MiB) },
+        volume_capabilities: [cap],
+      })
+    ).volume?.volume_id ?? '';
+  const paths = (n: string) => ({
+    staging: path.join(base, n, 'staging'),
+    target: path.join(base, n, 'pod', 'mount'),
+  });
+  const up = async (d: DriverProcess, n: string) => {
+    const p = paths(n);
+    await fs.mkdir(p.staging, { recursive: true });
+    await fs.mkdir(path.dirname(p.target), { recursive: true });
+    await d.clients.node.NodeStageVolume({
+      volume_id: id,
+      staging_target_path: p.staging,
+      volume_capability: cap,
+    });
+    await d.clients.node.NodePublishVolume({
+      volume_id: id,
+      staging_target_path: p.staging,
+      target_path: p.target,
+      volume_capability: cap,
+    });
+  };
+  const publishTo = (node: string) =>
+    ctl.clients.controller.ControllerPublishVolume({ volume_id: id, node_id: node, volume_capability: cap });
+  return { base, ctl, a, b, id, paths, up, publishTo };
+}
+
+describe.skipIf(!isRoot())('a volume detached from a node that still has it mounted', () => {
+  it('moves to another node only once the first has fenced itself, which is never thawed', async () => {
+    const { ctl, a, b, id, paths, up, publishTo } = await setup('alive');
+    await publishTo('node-a');
+    await up(a, 'a');
+    const sum = await writeRandom(path.join(paths('a').target, 'data.bin'), 4, 21);
+    // The CO force-detaches node-a (it stopped answering the API server, say) and moves the pod.
+    await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-a' });
+    await publishTo('node-b');
+    const first = await errorOf(up(b, 'b'));
+    expect(first.code).toBe('FAILED_PRECONDITION');
+    expect(first.details).toMatch(/detached from node node-a.*fenced itself/);
+    // node-a's plugin notices within a few seconds, freezes the filesystem for good, and says so.
+    fencedDevices.push(await sourceOf(paths('a').staging));
+    await retryUntilOk(() => up(b, 'b'), 15);
+    expect(await a.waitForLog((l) => l.includes('froze its filesystem for good'))).toBe(true);
+    expect(frozen(paths('a').staging)).toBe(true);
+    expect(await sha256(path.join(paths('b').target, 'data.bin'))).toBe(sum);
+    // A snapshot now needs no freeze from node-a (fenced) and freezes node-b's.
+    const snap = await ctl.clients.controller.CreateSnapshot({
+      name: `snap-fence-${RUN}`,
+      source_volume_id: id,
+    });
+    expect(snap.snapshot?.ready_to_use).toBe(true);
+    // node-a's kubelet tears the old pod down: the fenced filesystem is unmounted but never thawed.
+    await a.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: paths('a').target });
+    const unstage = await errorOf(
+      a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: paths('a').staging }),
+    );
+    expect(unstage.code).toBe('FAILED_PRECONDITION');
+    expect(unstage.details).toMatch(/frozen for good.*Reboot the node/);
+    // Staging it there again is refused too (the old writes wait on that superblock).
+    const again = await errorOf(up(a, 'a'));
+    expect(again.code).toBe('FAILED_PRECONDITION');
+    // node-b is unaffected.
+    await b.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: paths('b').target });
+    await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: paths('b').staging });
+  });
+
+  it('moves to another node once the first has been silent for --node-fence-seconds', async () => {
+    const { ctl, a, b, id, paths, up, publishTo } = await setup('dead');
+    await publishTo('node-a');
+    await up(a, 'a');
+    const sum = await writeRandom(path.join(paths('a').target, 'data.bin'), 2, 22);
+    await a.stop('SIGKILL'); // the node dies with the volume mounted
+    await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-a' });
+    await publishTo('node-b');
+    const started = Date.now();
+    const { refusals } = await retryUntilOk(() => up(b, 'b'), 20);
+    expect(refusals.length).toBeGreaterThan(0);
+    expect(refusals[0]).toMatch(/silent for 4 s/);
+    expect(Date.now() - started).toBeGreaterThanOrEqual(3500);
+    expect(await sha256(path.join(paths('b').target, 'data.bin'))).toBe(sum);
+    expect(
+      await codeOf(b.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: paths('b').target })),
+    ).toBe('OK');
+    await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: paths('b').staging });
+    // The dead node's reboot takes its mounts and its loop device with it.
+    const dev = await sourceOf(paths('a').staging);
+    for (const mp of [paths('a').target, paths('a').staging]) execFileSync('umount', [mp]);
+    execFileSync('losetup', ['-d', dev]);
+  });
+});
