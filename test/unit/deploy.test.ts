@@ -1,10 +1,16 @@
 /**
  * The Kubernetes packaging, checked without a cluster: every manifest parses (a YAML parser, not
  * regexes); each variant is rendered the way `kubectl apply -k` would (resources, the images component,
- * namespace, patches) and held to the invariants whose breakage breaks installs.
+ * namespace, patches), compared with what the real `kubectl kustomize` renders where kubectl is
+ * installed, and held to the invariants whose breakage breaks installs: RBAC as each sidecar's own
+ * repository has it at the pinned tag, no deprecated sidecar flags, health and shutdown settings, mount
+ * propagation, and a shared pool that is never created by accident.
  */
+import { execFile } from 'node:child_process';
+import { accessSync, constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { promisify } from 'node:util';
 import { parseAllDocuments } from 'yaml';
 import { beforeAll, describe, expect, it } from 'vitest';
 import { NODE_TOOLS, CONTROLLER_TOOLS } from '../../src/health.js';
@@ -15,22 +21,42 @@ type Obj = Record<string, unknown> & {
   apiVersion: string;
   metadata: { name: string; namespace?: string };
 };
+interface Probe {
+  httpGet?: { path: string; port: string | number };
+}
 interface Container {
   name: string;
   image: string;
   args?: string[];
   env?: { name: string }[];
+  ports?: { name?: string; containerPort: number }[];
+  livenessProbe?: Probe;
   securityContext?: { privileged?: boolean };
   volumeMounts?: { name: string; mountPath: string; mountPropagation?: string }[];
 }
 interface PodSpec {
   serviceAccountName?: string;
+  terminationGracePeriodSeconds?: number;
   containers: Container[];
-  volumes?: { name: string; hostPath?: { path: string }; emptyDir?: unknown }[];
+  volumes?: { name: string; hostPath?: { path: string; type?: string }; emptyDir?: unknown }[];
 }
 
 const DEPLOY = path.join(REPO, 'deploy', 'kubernetes');
 const DRIVER = 'loopvol.csi.io';
+const POOL = '/var/lib/loopvol/pool';
+
+/** Sidecar flags their pinned releases call deprecated, and why they must not be used. */
+const DEPRECATED: Record<string, string> = {
+  '--health-port':
+    'livenessprobe@v2.19.0 cmd/livenessprobe/main.go: "(deprecated)", and cannot be set with --http-endpoint',
+  '--metrics-address':
+    'deprecated in favour of --http-endpoint (the READMEs of provisioner, attacher, resizer, livenessprobe)',
+};
+/** Feature gates that are GA (locked on) at the pinned tags: setting them only waits for their removal. */
+const GA_GATES: Record<string, string> = {
+  Topology: 'external-provisioner@v6.3.0 pkg/features/features.go: GA, on by default',
+  VolumeAttributesClass: 'external-provisioner@v6.3.0 pkg/features/features.go: GA, on by default',
+};
 const CLUSTER_SCOPED = new Set([
   'Namespace',
   'CSIDriver',
@@ -141,83 +167,141 @@ function resolve(c: Container, p: string): { volume: string; rel: string } | und
 }
 
 type Rule = [group: string, resource: string, verbs: string[]];
+
+/**
+ * What each sidecar needs from the API, as its own repository has it at the tag pinned in
+ * components/images (read there, not guessed): `rules` are that RBAC file's ClusterRole without the
+ * rules it leaves commented out as optional (secrets, referencegrants), plus `extra` where the
+ * sidecar's code needs more than its file grants. Bumping a tag means reading these again.
+ */
+interface Sidecar {
+  /** The repository and release tag the rules below were read at. */
+  repo: string;
+  tag: string;
+  /** The file (and ClusterRole) they come from; undefined for sidecars that use no API. */
+  source?: string;
+  /** The ClusterRole of common/rbac.yaml that carries them. */
+  role?: string;
+  rules: Rule[];
+  extra?: { rule: Rule; why: string }[];
+}
+const SIDECARS: Record<string, Sidecar> = {
+  'csi-provisioner': {
+    repo: 'kubernetes-csi/external-provisioner',
+    tag: 'v6.3.0',
+    source: 'deploy/kubernetes/rbac.yaml, ClusterRole external-provisioner-runner',
+    role: 'loopvol-external-provisioner',
+    rules: [
+      ['', 'persistentvolumes', ['get', 'list', 'watch', 'create', 'patch', 'delete']],
+      ['', 'persistentvolumeclaims', ['get', 'list', 'watch', 'update']],
+      ['storage.k8s.io', 'storageclasses', ['get', 'list', 'watch']],
+      ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
+      ['snapshot.storage.k8s.io', 'volumesnapshots', ['get', 'list', 'watch', 'update']],
+      ['snapshot.storage.k8s.io', 'volumesnapshotcontents', ['get', 'list']],
+      ['storage.k8s.io', 'csinodes', ['get', 'list', 'watch']],
+      ['', 'nodes', ['get', 'list', 'watch']],
+      ['storage.k8s.io', 'volumeattachments', ['get', 'list', 'watch']],
+    ],
+    extra: [
+      {
+        rule: ['storage.k8s.io', 'volumeattributesclasses', ['get']],
+        why: "pkg/controller/controller.go reads the PVC's VolumeAttributesClass in CreateVolume",
+      },
+    ],
+  },
+  'csi-attacher': {
+    repo: 'kubernetes-csi/external-attacher',
+    tag: 'v4.12.0',
+    source: 'deploy/kubernetes/rbac.yaml, ClusterRole external-attacher-runner',
+    role: 'loopvol-external-attacher',
+    rules: [
+      ['', 'persistentvolumes', ['get', 'list', 'watch', 'patch']],
+      ['storage.k8s.io', 'csinodes', ['get', 'list', 'watch']],
+      ['storage.k8s.io', 'volumeattachments', ['get', 'list', 'watch', 'patch']],
+      ['storage.k8s.io', 'volumeattachments/status', ['patch']],
+    ],
+  },
+  'csi-resizer': {
+    repo: 'kubernetes-csi/external-resizer',
+    tag: 'v2.2.1',
+    source: 'deploy/kubernetes/rbac.yaml, ClusterRole external-resizer-runner',
+    role: 'loopvol-external-resizer',
+    rules: [
+      ['', 'persistentvolumes', ['get', 'list', 'watch', 'patch']],
+      ['', 'persistentvolumeclaims', ['get', 'list', 'watch']],
+      ['', 'pods', ['get', 'list', 'watch']],
+      ['', 'persistentvolumeclaims/status', ['patch']],
+      ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
+      ['storage.k8s.io', 'volumeattributesclasses', ['get', 'list', 'watch']],
+    ],
+  },
+  'csi-snapshotter': {
+    repo: 'kubernetes-csi/external-snapshotter',
+    tag: 'v8.6.0',
+    source:
+      'deploy/kubernetes/csi-snapshotter/rbac-csi-snapshotter.yaml, ClusterRole external-snapshotter-runner',
+    role: 'loopvol-external-snapshotter',
+    rules: [
+      ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
+      ['snapshot.storage.k8s.io', 'volumesnapshotclasses', ['get', 'list', 'watch']],
+      ['snapshot.storage.k8s.io', 'volumesnapshotcontents', ['get', 'list', 'watch', 'update', 'patch']],
+      ['snapshot.storage.k8s.io', 'volumesnapshotcontents/status', ['update', 'patch']],
+      ['groupsnapshot.storage.k8s.io', 'volumegroupsnapshotclasses', ['get', 'list', 'watch']],
+      [
+        'groupsnapshot.storage.k8s.io',
+        'volumegroupsnapshotcontents',
+        ['get', 'list', 'watch', 'update', 'patch'],
+      ],
+      ['groupsnapshot.storage.k8s.io', 'volumegroupsnapshotcontents/status', ['update', 'patch']],
+    ],
+  },
+  // README "Required permissions": the registrar does not use the Kubernetes API.
+  'csi-node-driver-registrar': { repo: 'kubernetes-csi/node-driver-registrar', tag: 'v2.17.0', rules: [] },
+  // It talks only to the CSI socket (cmd/livenessprobe/main.go makes no Kubernetes client).
+  livenessprobe: { repo: 'kubernetes-csi/livenessprobe', tag: 'v2.19.0', rules: [] },
+};
+
+/**
+ * The namespaced rules a sidecar needs for how it is started, from the same files' Roles: leader
+ * election leases (every sidecar's ...-cfg / -leaderelection Role), and the provisioner's
+ * CSIStorageCapacity objects with the gets that find their owner (external-provisioner-cfg).
+ */
 const LEASES: Rule = [
   'coordination.k8s.io',
   'leases',
   ['get', 'watch', 'list', 'delete', 'update', 'create'],
 ];
-
-/** What each sidecar needs, from its own deploy/kubernetes/rbac.yaml, given how it is started. */
-function requiredRules(c: Container): Rule[] {
-  const le = c.args?.includes('--leader-election') ? [LEASES] : [];
-  const name = c.image.split('/').pop()?.split(':')[0] ?? '';
-  switch (name) {
-    case 'csi-provisioner': {
-      const capacity: Rule[] = c.args?.includes('--enable-capacity')
-        ? [
-            [
-              'storage.k8s.io',
-              'csistoragecapacities',
-              ['get', 'list', 'watch', 'create', 'update', 'patch', 'delete'],
-            ],
-            ['', 'pods', ['get']],
-            ...(argValue(c, '--capacity-ownerref-level') === '2'
-              ? [['apps', 'replicasets', ['get']] as Rule]
-              : []),
-          ]
-        : [];
-      return [
-        ['', 'persistentvolumes', ['get', 'list', 'watch', 'create', 'patch', 'delete']],
-        ['', 'persistentvolumeclaims', ['get', 'list', 'watch', 'update']],
-        ['storage.k8s.io', 'storageclasses', ['get', 'list', 'watch']],
-        ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
-        ['snapshot.storage.k8s.io', 'volumesnapshots', ['get', 'list', 'watch', 'update']],
-        ['snapshot.storage.k8s.io', 'volumesnapshotcontents', ['get', 'list']],
-        ['storage.k8s.io', 'csinodes', ['get', 'list', 'watch']],
-        ['', 'nodes', ['get', 'list', 'watch']],
-        ['storage.k8s.io', 'volumeattachments', ['get', 'list', 'watch']],
-        ['storage.k8s.io', 'volumeattributesclasses', ['get']],
-        ...capacity,
-        ...le,
-      ];
-    }
-    case 'csi-attacher':
-      return [
-        ['', 'persistentvolumes', ['get', 'list', 'watch', 'patch']],
-        ['storage.k8s.io', 'csinodes', ['get', 'list', 'watch']],
-        ['storage.k8s.io', 'volumeattachments', ['get', 'list', 'watch', 'patch']],
-        ['storage.k8s.io', 'volumeattachments/status', ['patch']],
-        ...le,
-      ];
-    case 'csi-resizer':
-      return [
-        ['', 'persistentvolumes', ['get', 'list', 'watch', 'patch']],
-        ['', 'persistentvolumeclaims', ['get', 'list', 'watch']],
-        ['', 'persistentvolumeclaims/status', ['patch']],
-        ['', 'pods', ['get', 'list', 'watch']],
-        ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
-        ['storage.k8s.io', 'volumeattributesclasses', ['get', 'list', 'watch']],
-        ...le,
-      ];
-    case 'csi-snapshotter':
-      return [
-        ['', 'events', ['list', 'watch', 'create', 'update', 'patch']],
-        ['snapshot.storage.k8s.io', 'volumesnapshotclasses', ['get', 'list', 'watch']],
-        ['snapshot.storage.k8s.io', 'volumesnapshotcontents', ['get', 'list', 'watch', 'update', 'patch']],
-        ['snapshot.storage.k8s.io', 'volumesnapshotcontents/status', ['update', 'patch']],
-        ['groupsnapshot.storage.k8s.io', 'volumegroupsnapshotclasses', ['get', 'list', 'watch']],
-        [
-          'groupsnapshot.storage.k8s.io',
-          'volumegroupsnapshotcontents',
-          ['get', 'list', 'watch', 'update', 'patch'],
-        ],
-        ['groupsnapshot.storage.k8s.io', 'volumegroupsnapshotcontents/status', ['update', 'patch']],
-        ...le,
-      ];
-    default:
-      return []; // node-driver-registrar, livenessprobe and loopvol use no API
+function startupRules(name: string, c: Container): Rule[] {
+  const out: Rule[] = c.args?.includes('--leader-election') ? [LEASES] : [];
+  if (name === 'csi-provisioner' && c.args?.includes('--enable-capacity')) {
+    out.push([
+      'storage.k8s.io',
+      'csistoragecapacities',
+      ['get', 'list', 'watch', 'create', 'update', 'patch', 'delete'],
+    ]);
+    const level = Number(argValue(c, '--capacity-ownerref-level') ?? '1');
+    if (level >= 0) out.push(['', 'pods', ['get']]); // the walk up from the pod starts with the pod
+    if (level >= 2) out.push(['apps', 'replicasets', ['get']]); // a Deployment owns it through a ReplicaSet
   }
+  return out;
 }
+
+/** A container's sidecar name ("csi-provisioner", ...), from its image, or undefined for loopvol. */
+const sidecarOf = (c: Container): string | undefined => {
+  const name = c.image.split('/').pop()?.split(':')[0] ?? '';
+  return name in SIDECARS ? name : undefined;
+};
+
+/** What a container needs from the API, given how it is started. */
+function requiredRules(c: Container): Rule[] {
+  const name = sidecarOf(c);
+  if (name === undefined) return []; // loopvol uses no API
+  const s = SIDECARS[name] as Sidecar;
+  return [...s.rules, ...(s.extra ?? []).map((e) => e.rule), ...startupRules(name, c)];
+}
+
+const triples = (rules: Rule[]): string[] =>
+  rules.flatMap(([g, res, verbs]) => verbs.map((v) => `${g}/${res}/${v}`)).sort();
 
 /** group/resource/verb triples the ServiceAccount holds, through any binding in the rendered variant. */
 function granted(r: Rendered, sa: string, namespace: string): Set<string> {
@@ -321,30 +405,124 @@ describe.each(VARIANTS)('the %s variant', (v) => {
     }
   });
 
-  it('makes only the node plugin privileged, with Bidirectional propagation on the kubelet directory', () => {
+  it('makes loopvol privileged on nodes only, and every container that shares its socket privileged with it', () => {
+    // The reference deployment (kubernetes-csi/csi-driver-host-path) makes every sidecar next to its
+    // privileged driver privileged too: on SELinux nodes an unprivileged container may be denied the
+    // socket a privileged one created. Where loopvol is not privileged (the controller), nothing is.
     for (const { d, spec } of workloads(variant(v))) {
-      for (const c of spec.containers) {
-        const privileged = c.securityContext?.privileged === true;
-        expect(privileged, `${d.metadata.name}/${c.name}`).toBe(
-          d.kind === 'DaemonSet' && c.name === 'loopvol',
-        );
+      const driver = spec.containers.find((c) => c.name === 'loopvol');
+      if (!driver) throw new Error(`${d.metadata.name} has no loopvol container`);
+      const driverPrivileged = driver.securityContext?.privileged === true;
+      expect(driverPrivileged, `${d.metadata.name}/loopvol`).toBe(d.kind === 'DaemonSet');
+      const socket = resolve(driver, (argValue(driver, '--endpoint') ?? '').slice('unix://'.length));
+      for (const c of spec.containers.filter((x) => x !== driver)) {
+        const sharesSocket = resolve(c, argValue(c, '--csi-address') ?? '')?.volume === socket?.volume;
+        expect(sharesSocket, `${d.metadata.name}/${c.name} talks to the driver`).toBe(true);
+        expect(c.securityContext?.privileged === true, `${d.metadata.name}/${c.name}`).toBe(driverPrivileged);
       }
-      if (d.kind === 'DaemonSet') {
-        const driver = spec.containers.find((c) => c.name === 'loopvol');
-        const kubelet = driver?.volumeMounts?.find((m) => m.mountPath === '/var/lib/kubelet');
-        expect(kubelet?.mountPropagation).toBe('Bidirectional');
-        expect(spec.volumes?.find((vol) => vol.name === kubelet?.name)?.hostPath?.path).toBe(
-          '/var/lib/kubelet',
-        );
-        for (const p of ['/dev', '/var/lib/loopvol/pool'])
-          expect(resolve(driver as Container, p), p).toBeDefined();
-        for (const c of spec.containers.filter((x) => x !== driver)) {
-          expect(
-            c.volumeMounts?.some((m) => m.mountPropagation === 'Bidirectional'),
-            c.name,
-          ).toBe(false);
+    }
+  });
+
+  it('gives Bidirectional propagation to loopvol alone, on the kubelet directory', () => {
+    for (const { d, spec } of workloads(variant(v))) {
+      for (const c of spec.containers.filter((x) => x.name !== 'loopvol')) {
+        expect(
+          c.volumeMounts?.some((m) => m.mountPropagation === 'Bidirectional'),
+          `${d.metadata.name}/${c.name}`,
+        ).toBe(false);
+      }
+      if (d.kind !== 'DaemonSet') continue;
+      const driver = spec.containers.find((c) => c.name === 'loopvol');
+      const kubelet = driver?.volumeMounts?.find((m) => m.mountPath === '/var/lib/kubelet');
+      expect(kubelet?.mountPropagation).toBe('Bidirectional');
+      expect(spec.volumes?.find((vol) => vol.name === kubelet?.name)?.hostPath?.path).toBe(
+        '/var/lib/kubelet',
+      );
+      for (const p of ['/dev', '/var/lib/loopvol/pool'])
+        expect(resolve(driver as Container, p), p).toBeDefined();
+    }
+  });
+
+  it('mounts the pool with HostToContainer propagation wherever it is mounted', () => {
+    // A shared filesystem mounted on the host after the pod started must show up in the container.
+    let mounts = 0;
+    for (const { d, spec } of workloads(variant(v))) {
+      const pools = (spec.volumes ?? []).filter((vol) => vol.hostPath?.path === POOL).map((vol) => vol.name);
+      expect(pools, d.metadata.name).toHaveLength(1);
+      for (const c of spec.containers) {
+        for (const m of (c.volumeMounts ?? []).filter((x) => pools.includes(x.name))) {
+          mounts++;
+          expect(m.mountPath, `${d.metadata.name}/${c.name}`).toBe(POOL);
+          expect(m.mountPropagation, `${d.metadata.name}/${c.name}`).toBe('HostToContainer');
         }
       }
+    }
+    expect(mounts).toBe(workloads(variant(v)).length);
+  });
+
+  it('gives every pod running loopvol longer to stop than loopvol drains its calls', () => {
+    const byDefault = /--shutdown-timeout \S+ .*\(default (\d+)\)/.exec(help)?.[1];
+    expect(byDefault, '--help documents the --shutdown-timeout default').toBeDefined();
+    for (const { d, spec } of workloads(variant(v))) {
+      const driver = spec.containers.find((c) => c.name === 'loopvol') as Container;
+      const shutdown = Number(argValue(driver, '--shutdown-timeout') ?? byDefault);
+      // Kubernetes' default grace period is 30 s.
+      const grace = spec.terminationGracePeriodSeconds ?? 30;
+      expect(grace, `${d.metadata.name}: terminationGracePeriodSeconds > --shutdown-timeout`).toBeGreaterThan(
+        shutdown,
+      );
+    }
+  });
+
+  it('passes no deprecated or removed sidecar flags', () => {
+    for (const { d, spec } of workloads(variant(v))) {
+      for (const c of spec.containers.filter((x) => sidecarOf(x) !== undefined)) {
+        const where = `${d.metadata.name}/${c.name}`;
+        for (const a of c.args ?? []) {
+          const flag = a.split('=')[0] ?? '';
+          const why = DEPRECATED[flag];
+          expect(why, `${where} ${a}`).toBeUndefined();
+          if (flag === '--feature-gates') {
+            for (const gate of a.slice(flag.length + 1).split(',')) {
+              const gone = GA_GATES[gate.split('=')[0] ?? ''];
+              expect(gone, `${where} ${gate}`).toBeUndefined();
+            }
+          }
+        }
+      }
+    }
+  });
+
+  it('probes the driver through livenessprobe --http-endpoint, and leaders through their election health', () => {
+    for (const { d, spec } of workloads(variant(v))) {
+      const port = (p: string | number | undefined): number | undefined =>
+        typeof p === 'number'
+          ? p
+          : spec.containers.flatMap((x) => x.ports ?? []).find((x) => x.name === p)?.containerPort;
+      const endpointPort = (c: Container): number | undefined => {
+        const e = argValue(c, '--http-endpoint');
+        return e === undefined ? undefined : Number(e.slice(e.lastIndexOf(':') + 1));
+      };
+      const probe = spec.containers.find((c) => sidecarOf(c) === 'livenessprobe');
+      if (!probe) throw new Error(`${d.metadata.name} has no livenessprobe`);
+      const driver = spec.containers.find((c) => c.name === 'loopvol') as Container;
+      expect(driver.livenessProbe?.httpGet?.path).toBe('/healthz');
+      expect(port(driver.livenessProbe?.httpGet?.port), `${d.metadata.name}: loopvol's probe port`).toBe(
+        endpointPort(probe),
+      );
+      for (const c of spec.containers.filter((x) => x.args?.includes('--leader-election'))) {
+        const where = `${d.metadata.name}/${c.name}`;
+        const p = endpointPort(c);
+        expect(p, `${where} --http-endpoint`).toBeDefined();
+        expect(
+          c.ports?.some((x) => x.containerPort === p),
+          `${where} declares its port`,
+        ).toBe(true);
+        expect(c.livenessProbe?.httpGet?.path, where).toBe('/healthz/leader-election');
+        expect(port(c.livenessProbe?.httpGet?.port), where).toBe(p);
+      }
+      const ports = spec.containers.flatMap((c) => (c.ports ?? []).map((x) => x.containerPort));
+      expect(new Set(ports).size, `${d.metadata.name}: no port declared twice`).toBe(ports.length);
     }
   });
 
@@ -406,12 +584,7 @@ describe('the variants', () => {
       'loopvol',
     ]);
     expect(controller?.spec.containers.find((c) => c.name === 'csi-provisioner')?.args).toEqual(
-      expect.arrayContaining([
-        '--feature-gates=Topology=true',
-        '--extra-create-metadata',
-        '--enable-capacity',
-        '--leader-election',
-      ]),
+      expect.arrayContaining(['--extra-create-metadata', '--enable-capacity', '--leader-election']),
     );
     expect((controller?.d.spec as { replicas: number }).replicas).toBeGreaterThan(1);
     const node = workloads(local).find(({ d }) => d.kind === 'DaemonSet');
@@ -422,6 +595,109 @@ describe('the variants', () => {
     expect(argValue(driver as Container, '--pool-name')).toBe('$(NODE_ID)');
     expect(argValue(driver as Container, '--nodeid')).toBe('$(NODE_ID)');
   });
+
+  it('never create a shared pool: --create-pool=false and a pool directory that must already exist', () => {
+    // A node or controller whose shared filesystem is not mounted must not start on an empty local
+    // directory of its own; node-local pools are made by their node.
+    for (const [v, shared] of [
+      ['shared', true],
+      ['local', false],
+    ] as const) {
+      for (const { d, spec } of workloads(variant(v))) {
+        const driver = spec.containers.find((c) => c.name === 'loopvol') as Container;
+        const pool = spec.volumes?.find((vol) => vol.hostPath?.path === POOL);
+        expect(argValue(driver, '--pool-dir'), d.metadata.name).toBe(POOL);
+        expect(argValue(driver, '--create-pool') ?? 'true', `${v} ${d.metadata.name}`).toBe(
+          shared ? 'false' : 'true',
+        );
+        expect(pool?.hostPath?.type, `${v} ${d.metadata.name}`).toBe(
+          shared ? 'Directory' : 'DirectoryOrCreate',
+        );
+      }
+    }
+  });
+
+  it('turn group snapshots on where the snapshot-controller can route them: the shared controller', () => {
+    // In distributed snapshotting (local) snapshot-controller v8.6.0 labels only VolumeSnapshotContents
+    // with their node, so a node's snapshotter would never see a group snapshot.
+    const gate = '--feature-gates=CSIVolumeGroupSnapshot=true';
+    const snapshotter = (v: string) =>
+      workloads(variant(v))
+        .flatMap(({ spec }) => spec.containers)
+        .filter((c) => sidecarOf(c) === 'csi-snapshotter');
+    expect(snapshotter('shared').map((c) => c.args?.includes(gate))).toEqual([true]);
+    expect(snapshotter('local').map((c) => c.args?.includes(gate))).toEqual([false]);
+  });
+
+  it('pin each sidecar at the tag its RBAC rules were read at', async () => {
+    const [component] = await loadDocs(path.join(DEPLOY, 'components', 'images', 'kustomization.yaml'));
+    const images = (component?.images ?? []) as { name: string; newTag?: string }[];
+    const used = new Set(
+      VARIANTS.flatMap((v) => workloads(variant(v)).flatMap(({ spec }) => spec.containers.map(sidecarOf))),
+    );
+    for (const [name, s] of Object.entries(SIDECARS)) {
+      expect(used.has(name), `${name} is deployed`).toBe(true);
+      const pinned = images.find((i) => i.name === `registry.k8s.io/sig-storage/${name}`);
+      expect(pinned?.newTag, `${name}: rules read at ${s.repo}@${s.tag}`).toBe(s.tag);
+    }
+  });
+
+  it('have one ClusterRole per sidecar that uses the API, holding exactly its upstream rules', () => {
+    for (const v of VARIANTS) {
+      const r = variant(v);
+      for (const [name, s] of Object.entries(SIDECARS)) {
+        if (!s.role) continue;
+        const role = r.docs.find((d) => d.kind === 'ClusterRole' && d.metadata.name === s.role);
+        if (!role) throw new Error(`${v}: no ClusterRole ${s.role} for ${name}`);
+        const have = (
+          (role.rules ?? []) as { apiGroups: string[]; resources: string[]; verbs: string[] }[]
+        ).flatMap((rule) =>
+          rule.apiGroups.flatMap((g) => rule.resources.map((res): Rule => [g, res, rule.verbs])),
+        );
+        const want = [...s.rules, ...(s.extra ?? []).map((e) => e.rule)];
+        expect(triples(have), `${v}: ${s.role} = ${s.repo}@${s.tag} ${s.source ?? ''}`).toEqual(
+          triples(want),
+        );
+      }
+    }
+  });
+});
+
+/** kubectl on PATH, or undefined: `kubectl kustomize` renders offline, with no cluster. */
+const KUBECTL = (process.env.PATH ?? '')
+  .split(path.delimiter)
+  .filter((dir) => dir !== '')
+  .map((dir) => path.join(dir, 'kubectl'))
+  .find((file) => {
+    try {
+      accessSync(file, constants.X_OK);
+      return true;
+    } catch {
+      return false;
+    }
+  });
+
+describe('the real kustomize', () => {
+  const why = KUBECTL === undefined ? ' (skipped: no kubectl on PATH to run `kubectl kustomize`)' : '';
+  const key = (d: Obj) => `${d.kind}/${d.metadata.namespace ?? ''}/${d.metadata.name}`;
+  const byKey = (docs: Obj[]) => [...docs].sort((a, b) => key(a).localeCompare(key(b)));
+
+  it.skipIf(KUBECTL === undefined).each(VARIANTS)(
+    `renders the %s variant as this test's renderer does${why}`,
+    async (v) => {
+      const { stdout } = await promisify(execFile)(KUBECTL as string, ['kustomize', path.join(DEPLOY, v)], {
+        timeout: 60_000,
+        maxBuffer: 16 * 1024 * 1024,
+      });
+      const docs = parseAllDocuments(stdout);
+      for (const d of docs) expect(d.errors, `${v}: kubectl kustomize output parses`).toEqual([]);
+      const real = docs.map((d) => d.toJS() as Obj | null).filter((d): d is Obj => d !== null);
+      const ours = variant(v).docs;
+      // Same objects (order aside: kustomize sorts by kind), field for field.
+      expect(byKey(real).map(key)).toEqual(byKey(ours).map(key));
+      expect(byKey(real)).toEqual(byKey(ours));
+    },
+  );
 });
 
 describe('the examples', () => {
