@@ -1,17 +1,28 @@
-# syntax=docker/dockerfile:1
 # loopvol: build with the dev dependencies, run with the production ones only, on the current
 # Node.js LTS (26) slim image plus the host tools the driver runs.
+#
+# No `# syntax=` line: it would make BuildKit fetch a Dockerfile frontend image from a registry at
+# every build; the frontend built into the engine reads this file, so it builds where no registry is
+# reachable too (with BASE_IMAGE already loaded, e.g. test/container/standin-base.sh).
+#
+# BASE_IMAGE: any image laid out like the official Node.js one (node and npm on PATH, Debian apt).
+# A TLS-intercepting proxy's CA for `npm ci`: pass it as a build secret, which is mounted for that one
+# step and is in no layer of any stage:
+#   docker build --secret id=npm_ca,src=/path/to/ca.pem .     (BuildKit)
+ARG BASE_IMAGE=node:26-trixie-slim
 
-FROM node:26-trixie-slim AS build
+FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY package.json package-lock.json ./
-RUN npm ci --ignore-scripts
+RUN --mount=type=secret,id=npm_ca \
+    if [ -s /run/secrets/npm_ca ]; then export NODE_EXTRA_CA_CERTS=/run/secrets/npm_ca; fi \
+ && npm ci --ignore-scripts
 COPY tsconfig.json tsconfig.build.json ./
 COPY proto ./proto
 COPY src ./src
 RUN npm run build && npm prune --omit=dev --ignore-scripts
 
-FROM node:26-trixie-slim
+FROM ${BASE_IMAGE}
 # util-linux: losetup, blkid, blockdev, fsfreeze, fallocate; mount: mount, umount;
 # e2fsprogs: mkfs.ext4, e2fsck, resize2fs; xfsprogs: mkfs.xfs, xfs_growfs; btrfs-progs: mkfs.btrfs, btrfs.
 RUN apt-get update \

@@ -758,9 +758,16 @@ describe('the examples', () => {
 describe('the Dockerfile', () => {
   it('builds in one stage and runs dist/main.js on a slim Node image with the tools the driver runs', async () => {
     const text = await fs.readFile(path.join(REPO, 'Dockerfile'), 'utf8');
+    // The base is a build argument (a site without registries passes its own), by default a slim
+    // official Node.js image; both stages use it.
+    expect(/^ARG BASE_IMAGE=(\S+)$/m.exec(text)?.[1]).toMatch(/^node:\d+-[a-z]+-slim$/);
     const froms = [...text.matchAll(/^FROM (\S+)/gm)].map((m) => m[1] ?? '');
-    expect(froms).toHaveLength(2);
-    for (const f of froms) expect(f).toMatch(/^node:\d+-[a-z]+-slim$/);
+    expect(froms).toEqual(['${BASE_IMAGE}', '${BASE_IMAGE}']);
+    // No `# syntax=` directive: it would fetch a frontend image from a registry at every build.
+    expect(text).not.toMatch(/^# *syntax=/m);
+    // An extra CA reaches npm ci as a build secret, never as a file of any layer.
+    expect(text).toMatch(/RUN --mount=type=secret,id=npm_ca\b[^\n]*\\\n[^\n]*NODE_EXTRA_CA_CERTS=\/run\/secrets\/npm_ca/);
+    expect(text).not.toMatch(/^(COPY|ADD)\b.*\.(pem|crt)\b/m);
     expect(text).toMatch(/npm prune --omit=dev/);
     expect(text).toMatch(/ENTRYPOINT \["node", "\/opt\/loopvol\/dist\/main.js"\]/);
     const installed =
