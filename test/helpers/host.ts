@@ -20,10 +20,45 @@ function unescape(s: string): string {
   return s.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
 }
 
-/** Loop devices backed by files under `root` and mounts under `root` (deepest first). */
+/** glibc's encoding of st_dev → "major:minor" (what losetup's BACK-MAJ:MIN shows). */
+function majorMinor(dev: bigint): string {
+  return `${((dev >> 8n) & 0xfffn) | ((dev >> 32n) & ~0xfffn)}:${(dev & 0xffn) | ((dev >> 12n) & ~0xffn)}`;
+}
+
+/** "major:minor:inode" → path, for the regular files under `root`, not descending into mount points. */
+async function fileIdsUnder(root: string, mountPoints: Set<string>): Promise<Map<string, string>> {
+  const ids = new Map<string, string>();
+  const walk = async (dir: string): Promise<void> => {
+    const entries = await fs.readdir(dir, { withFileTypes: true }).catch(() => []);
+    for (const e of entries) {
+      const p = path.join(dir, e.name);
+      if (e.isDirectory()) {
+        if (!mountPoints.has(p)) await walk(p);
+      } else if (e.isFile()) {
+        const st = await fs.stat(p, { bigint: true }).catch(() => undefined);
+        if (st) ids.set(`${majorMinor(st.dev)}:${st.ino}`, p);
+      }
+    }
+  };
+  await walk(root);
+  return ids;
+}
+
+/**
+ * Loop devices backed by files under `root` and mounts under `root` (deepest first). A loop device
+ * attached in another mount namespace (a node plugin in a container) shows its backing file as that
+ * namespace saw it, relative to a bind mount ("/volumes/vol-…/disk.img"): such devices are matched by
+ * their backing file's device and inode.
+ */
 export async function leaksUnder(root: string): Promise<Leaks> {
   const prefix = `${root}/`;
+  const mounts = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .map((l) => unescape(l.split(' ')[4] ?? ''))
+    .filter((mp) => mp === root || mp.startsWith(prefix))
+    .sort((a, b) => b.length - a.length);
   const loops: string[] = [];
+  const others: string[] = [];
   for (const name of await fs.readdir('/sys/block')) {
     if (!/^loop\d+$/.test(name)) continue;
     const backing = await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').then(
@@ -31,13 +66,36 @@ export async function leaksUnder(root: string): Promise<Leaks> {
       () => '',
     );
     if (backing.startsWith(prefix)) loops.push(`/dev/${name} ${backing}`);
+    else if (backing !== '') others.push(name);
   }
-  const mounts = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .map((l) => unescape(l.split(' ')[4] ?? ''))
-    .filter((mp) => mp === root || mp.startsWith(prefix))
-    .sort((a, b) => b.length - a.length);
+  if (others.length > 0) {
+    let listed: { name?: string; 'back-maj:min'?: string; 'back-ino'?: string | number }[] = [];
+    try {
+      listed =
+        (
+          JSON.parse(sh('losetup', ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO']) || '{}') as {
+            loopdevices?: typeof listed;
+          }
+        ).loopdevices ?? [];
+    } catch {
+      listed = [];
+    }
+    const ids = await fileIdsUnder(root, new Set(mounts));
+    for (const d of listed) {
+      const name = path.basename(d.name ?? '');
+      if (!others.includes(name)) continue;
+      const file = ids.get(`${d['back-maj:min']?.trim() ?? ''}:${String(d['back-ino'] ?? '')}`);
+      if (file) loops.push(`/dev/${name} ${file}`);
+    }
+  }
   return { loops, mounts };
+}
+
+/** Whether `mountPoint` is a mount point in this process's mount namespace. */
+export async function isMounted(mountPoint: string): Promise<boolean> {
+  return (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .some((l) => unescape(l.split(' ')[4] ?? '') === mountPoint);
 }
 
 /**
