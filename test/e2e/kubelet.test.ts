@@ -3,52 +3,101 @@
  * sharing one pool, the kubelet's own paths and call order, data checked at every step, through
  * expansion, snapshot and restore, for ext4, xfs, btrfs and raw block. Then what csi-sanity does not
  * cover: the spec's error code for each RPC's bad input, every RPC called twice, and nothing left over.
+ *
+ * The suite starts its own driver processes, or, with LOOPVOL_E2E_ENDPOINTS, runs against plugins
+ * that someone else started (test/container/run.sh: the built image, started the way the manifests
+ * start it), on the same kubelet-style paths:
+ *   LOOPVOL_E2E_ENDPOINTS=controller=unix:///…,node-1=unix:///…,node-2=unix:///…
+ *   LOOPVOL_E2E_ROOT=DIR     DIR/<node>/var/lib/kubelet is each node's kubelet directory, and
+ *                            DIR/var/lib/loopvol/pool the pool they share
+ * Either way every mount is checked from this process (the host's mount namespace), and the data
+ * from the image file itself.
  */
+import { execFileSync } from 'node:child_process';
 import { createHash, randomUUID } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
 import { type DriverProcess, startDriverProcess, tempDir } from '../helpers/driver.js';
-import { codeOf, type CsiClients } from '../helpers/grpc.js';
-import { cleanupUnder, isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { codeOf, csiClients, type CsiClients } from '../helpers/grpc.js';
+import { cleanupUnder, isMounted, isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
 
 const DRIVER = 'loopvol.csi.io';
+const NODES = ['node-1', 'node-2'];
 let root = '';
-let ctl: DriverProcess;
-const nodes: Record<string, DriverProcess> = {};
+let ctl: CsiClients;
+const nodes: Record<string, CsiClients> = {};
 const drivers: DriverProcess[] = [];
+
+/** `controller=unix:///a.sock,node-1=unix:///b.sock` → a map, or undefined when unset. */
+function externalEndpoints(text = process.env.LOOPVOL_E2E_ENDPOINTS): Map<string, string> | undefined {
+  if (!text) return undefined;
+  const map = new Map(
+    text.split(',').map((pair) => {
+      const at = pair.indexOf('=');
+      return [pair.slice(0, at).trim(), pair.slice(at + 1).trim()] as [string, string];
+    }),
+  );
+  for (const want of ['controller', ...NODES]) {
+    if (!map.get(want)) throw new Error(`LOOPVOL_E2E_ENDPOINTS names no ${want}`);
+  }
+  if (!process.env.LOOPVOL_E2E_ROOT) throw new Error('LOOPVOL_E2E_ENDPOINTS needs LOOPVOL_E2E_ROOT');
+  return map;
+}
+const external = externalEndpoints();
+
+/** The kubelet's directory for one node. */
+const kubelet = (nodeName: string): string => path.join(root, nodeName, 'var/lib/kubelet');
+/** The pool every process shares. */
+const poolDir = (): string => path.join(root, 'var/lib/loopvol/pool');
 
 beforeAll(async () => {
   if (!isRoot()) return;
+  if (external) {
+    root = process.env.LOOPVOL_E2E_ROOT ?? '';
+    ctl = csiClients(external.get('controller') ?? '');
+    for (const n of NODES) nodes[n] = csiClients(external.get(n) ?? '');
+    return;
+  }
   root = await tempDir('e2e');
-  const pool = path.join(root, 'pool');
   const start = async (args: Parameters<typeof startDriverProcess>[0]) => {
     const d = await startDriverProcess(args);
     drivers.push(d);
     return d;
   };
-  ctl = await start({
-    dir: root,
-    poolDir: pool,
-    mode: 'controller',
-    socket: path.join(root, 'controller.sock'),
-    logLevel: 'info',
-  });
-  for (const n of ['node-1', 'node-2']) {
-    nodes[n] = await start({
+  ctl = (
+    await start({
       dir: root,
-      poolDir: pool,
-      mode: 'node',
-      nodeId: n,
-      socket: path.join(root, `${n}.sock`),
+      poolDir: poolDir(),
+      mode: 'controller',
+      socket: path.join(root, 'controller.sock'),
       logLevel: 'info',
-    });
+    })
+  ).clients;
+  for (const n of NODES) {
+    nodes[n] = (
+      await start({
+        dir: root,
+        poolDir: poolDir(),
+        mode: 'node',
+        nodeId: n,
+        socket: path.join(root, `${n}.sock`),
+        logLevel: 'info',
+      })
+    ).clients;
   }
 });
 
 afterAll(async () => {
   if (!root) return;
+  if (external) {
+    // The plugins belong to whoever started them; what this suite made must be gone all the same.
+    ctl.close();
+    for (const n of NODES) nodes[n]?.close();
+    expect(await leaksUnder(root)).toEqual({ loops: [], mounts: [] });
+    return;
+  }
   for (const d of drivers) await d.stop();
   const leaks = await cleanupUnder(root);
   await fs.rm(root, { recursive: true, force: true });
@@ -58,11 +107,8 @@ afterAll(async () => {
 function node(name: string): CsiClients {
   const n = nodes[name];
   if (!n) throw new Error(`no node ${name}`);
-  return n.clients;
+  return n;
 }
-
-/** The kubelet's directory for one node. */
-const kubelet = (nodeName: string): string => path.join(root, 'kubelet', nodeName);
 
 /** The paths the kubelet uses for a volume (mount: globalmount + pod mount; block: volumeDevices). */
 function kubeletPaths(nodeName: string, volumeId: string, pv: string, podUid: string, block: boolean) {
@@ -94,7 +140,7 @@ async function attachAndMount(nodeName: string, volumeId: string, pv: string, ki
   const cap = capFor(kind);
   const podUid = randomUUID();
   const p = kubeletPaths(nodeName, volumeId, pv, podUid, block);
-  const pub = await ctl.clients.controller.ControllerPublishVolume({
+  const pub = await ctl.controller.ControllerPublishVolume({
     volume_id: volumeId,
     node_id: nodeName,
     volume_capability: cap,
@@ -108,6 +154,8 @@ async function attachAndMount(nodeName: string, volumeId: string, pv: string, ki
     volume_capability: cap,
     publish_context: pub.publish_context,
   });
+  // Seen from this process, i.e. on the host: a plugin in a container must propagate its mounts here.
+  expect(await isMounted(p.staging), `staging mount on the host: ${p.staging}`).toBe(!block);
   await node(nodeName).node.NodePublishVolume({
     volume_id: volumeId,
     staging_target_path: p.staging,
@@ -115,13 +163,14 @@ async function attachAndMount(nodeName: string, volumeId: string, pv: string, ki
     volume_capability: cap,
     publish_context: pub.publish_context,
   });
+  expect(await isMounted(p.target), `published mount on the host: ${p.target}`).toBe(true);
   return {
     ...p,
     async unmountAndDetach() {
       await node(nodeName).node.NodeUnpublishVolume({ volume_id: volumeId, target_path: p.target });
       await node(nodeName).node.NodeUnstageVolume({ volume_id: volumeId, staging_target_path: p.staging });
       await fs.rm(p.staging, { recursive: true, force: true }); // the kubelet removes what it made
-      await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: volumeId, node_id: nodeName });
+      await ctl.controller.ControllerUnpublishVolume({ volume_id: volumeId, node_id: nodeName });
     },
   };
 }
@@ -138,6 +187,38 @@ async function writeData(target: string, block: boolean, seed: number): Promise<
   await dev.sync();
   await dev.close();
   return sum;
+}
+
+/**
+ * The checksum of what the volume's image file itself holds, read on the host with no driver involved
+ * (the volume is unstaged): the raw bytes of a block volume, `data.bin` of a filesystem through a
+ * read-only loop mount of the image that this function makes and removes.
+ */
+async function dataInImage(volumeId: string, kind: string): Promise<string> {
+  const image = path.join(poolDir(), 'volumes', volumeId, 'disk.img');
+  if (kind === 'block') {
+    const f = await fs.open(image, 'r');
+    const buf = Buffer.alloc(16 * MiB);
+    await f.read(buf, 0, buf.length, 0);
+    await f.close();
+    return createHash('sha256').update(buf).digest('hex');
+  }
+  const sh = (cmd: string, args: string[]) => execFileSync(cmd, args, { encoding: 'utf8' }).trim();
+  const mnt = path.join(root, `inspect-${volumeId}`);
+  await fs.mkdir(mnt);
+  const dev = sh('losetup', ['--find', '--show', '--read-only', image]);
+  try {
+    const opts = { ext4: 'ro,noload', xfs: 'ro,norecovery,nouuid', btrfs: 'ro' }[kind] ?? 'ro';
+    sh('mount', ['-t', kind, '-o', opts, dev, mnt]);
+    try {
+      return await sha256(path.join(mnt, 'data.bin'));
+    } finally {
+      sh('umount', [mnt]);
+    }
+  } finally {
+    sh('losetup', ['-d', dev]);
+    await fs.rmdir(mnt);
+  }
 }
 
 async function readData(target: string, block: boolean): Promise<string> {
@@ -178,7 +259,7 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
     let sum = '';
 
     it('is provisioned with the provisioner’s parameters', async () => {
-      const res = await ctl.clients.controller.CreateVolume({
+      const res = await ctl.controller.CreateVolume({
         name: pv,
         capacity_range: { required_bytes: String(320 * MiB) },
         volume_capabilities: [capFor(kind)],
@@ -202,6 +283,10 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
       sum = await writeData(m.target, block, 42);
       await m.unmountAndDetach();
       await expect(fs.stat(m.target)).rejects.toThrow(/ENOENT/);
+      expect(await isMounted(m.staging)).toBe(false);
+      expect(await dataInImage(volumeId, kind), 'what was written through the target is in the image').toBe(
+        sum,
+      );
     });
 
     it('comes back with its data on the same node and then on node-2', async () => {
@@ -216,7 +301,7 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
       const m = await attachAndMount('node-2', volumeId, pv, kind);
       const before = await sizeOf(m.target, block);
       const grown = 640 * MiB;
-      const ce = await ctl.clients.controller.ControllerExpandVolume({
+      const ce = await ctl.controller.ControllerExpandVolume({
         volume_id: volumeId,
         capacity_range: { required_bytes: String(grown) },
         volume_capability: capFor(kind),
@@ -246,14 +331,14 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
     });
 
     it('is snapshotted, restored on node-1 with the data, and everything is deleted', async () => {
-      const snap = await ctl.clients.controller.CreateSnapshot({
+      const snap = await ctl.controller.CreateSnapshot({
         name: `snapshot-${pv}`,
         source_volume_id: volumeId,
       });
       const snapshotId = snap.snapshot?.snapshot_id ?? '';
       expect(snap.snapshot?.ready_to_use).toBe(true);
       const restoredPv = `pvc-${randomUUID()}`;
-      const restored = await ctl.clients.controller.CreateVolume({
+      const restored = await ctl.controller.CreateVolume({
         name: restoredPv,
         volume_capabilities: [capFor(kind)],
         capacity_range: { required_bytes: String(640 * MiB) },
@@ -263,8 +348,8 @@ describe.skipIf(!isRoot()).each(['ext4', 'xfs', 'btrfs', 'block'])(
       const m = await attachAndMount('node-1', restoredId, restoredPv, kind);
       expect(await readData(m.target, block)).toBe(sum);
       await m.unmountAndDetach();
-      for (const id of [restoredId, volumeId]) await ctl.clients.controller.DeleteVolume({ volume_id: id });
-      await ctl.clients.controller.DeleteSnapshot({ snapshot_id: snapshotId });
+      for (const id of [restoredId, volumeId]) await ctl.controller.DeleteVolume({ volume_id: id });
+      await ctl.controller.DeleteSnapshot({ snapshot_id: snapshotId });
       expect(await leaksUnder(root)).toEqual({ loops: [], mounts: [] });
     });
   },
@@ -291,13 +376,13 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
   beforeAll(async () => {
     existing =
       (
-        await ctl.clients.controller.CreateVolume({
+        await ctl.controller.CreateVolume({
           name: 'e2e-errors',
           volume_capabilities: [GOOD_CAP],
           capacity_range: { required_bytes: String(16 * MiB) },
         })
       ).volume?.volume_id ?? '';
-    stagingDir = path.join(root, 'errors-staging');
+    stagingDir = path.join(kubelet('node-1'), 'errors-staging');
     await fs.mkdir(stagingDir, { recursive: true });
   });
 
@@ -614,11 +699,11 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
   ];
 
   it.each(cases)('%s → %s', async (_what, call, code) => {
-    expect(await codeOf(call({ ctl: ctl.clients, n1: node('node-1') }))).toBe(code);
+    expect(await codeOf(call({ ctl, n1: node('node-1') }))).toBe(code);
   });
 
   it('publishes nothing before staging, and refuses an existing volume on a node it is not published to', async () => {
-    const target = path.join(root, 'errors-target');
+    const target = path.join(kubelet('node-1'), 'errors-target');
     expect(
       await codeOf(
         node('node-1').node.NodePublishVolume({
@@ -629,7 +714,7 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
         }),
       ),
     ).toBe('FAILED_PRECONDITION');
-    await ctl.clients.controller.ControllerPublishVolume({
+    await ctl.controller.ControllerPublishVolume({
       volume_id: existing,
       node_id: 'node-1',
       volume_capability: GOOD_CAP,
@@ -640,7 +725,7 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
       ['no-such-node', false, 'NOT_FOUND'],
     ];
     for (const [nodeId, readonly, code] of refusals) {
-      const call = ctl.clients.controller.ControllerPublishVolume({
+      const call = ctl.controller.ControllerPublishVolume({
         volume_id: existing,
         node_id: nodeId,
         volume_capability: GOOD_CAP,
@@ -648,14 +733,14 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
       });
       expect(await codeOf(call), `${nodeId} readonly=${String(readonly)}`).toBe(code);
     }
-    await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: existing, node_id: 'node-1' });
+    await ctl.controller.ControllerUnpublishVolume({ volume_id: existing, node_id: 'node-1' });
   });
 
   it.each(HOSTILE_IDS)('treats the hostile id %j as absent, touching no path', async (id) => {
-    const before = await fs.readdir(path.join(root, 'pool'));
-    expect(await codeOf(ctl.clients.controller.DeleteVolume({ volume_id: id }))).toBe('OK');
-    expect(await codeOf(ctl.clients.controller.ControllerGetVolume({ volume_id: id }))).toBe('NOT_FOUND');
-    expect(await codeOf(ctl.clients.controller.DeleteSnapshot({ snapshot_id: id }))).toBe('OK');
+    const before = await fs.readdir(poolDir());
+    expect(await codeOf(ctl.controller.DeleteVolume({ volume_id: id }))).toBe('OK');
+    expect(await codeOf(ctl.controller.ControllerGetVolume({ volume_id: id }))).toBe('NOT_FOUND');
+    expect(await codeOf(ctl.controller.DeleteSnapshot({ snapshot_id: id }))).toBe('OK');
     expect(
       await codeOf(
         node('node-1').node.NodeStageVolume({
@@ -668,19 +753,19 @@ describe.skipIf(!isRoot())('the spec’s error codes for bad input', () => {
     expect(
       await codeOf(node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: stagingDir })),
     ).toBe('NOT_FOUND');
-    expect(await fs.readdir(path.join(root, 'pool'))).toEqual(before);
+    expect(await fs.readdir(poolDir())).toEqual(before);
     await expect(fs.stat('/etc/passwd')).resolves.toBeTruthy();
   });
 
   it('accepts any name, however odd, as a name', async () => {
     for (const name of ['名前/../../etc', 'a'.repeat(1000), ' leading space', 'x\ny']) {
-      const v = await ctl.clients.controller.CreateVolume({
+      const v = await ctl.controller.CreateVolume({
         name,
         volume_capabilities: [capFor('block')],
         capacity_range: { required_bytes: String(MiB) },
       });
       expect(v.volume?.volume_id).toMatch(/^vol-[0-9a-f]{32}$/);
-      await ctl.clients.controller.DeleteVolume({ volume_id: v.volume?.volume_id ?? '' });
+      await ctl.controller.DeleteVolume({ volume_id: v.volume?.volume_id ?? '' });
     }
   });
 });
@@ -698,7 +783,7 @@ describe.skipIf(!isRoot())('every RPC called twice', () => {
       return b;
     };
     const vol = await twice('CreateVolume', () =>
-      ctl.clients.controller.CreateVolume({
+      ctl.controller.CreateVolume({
         name: 'twice',
         volume_capabilities: [cap],
         capacity_range: { required_bytes: String(32 * MiB) },
@@ -706,16 +791,16 @@ describe.skipIf(!isRoot())('every RPC called twice', () => {
     );
     const id = vol.volume?.volume_id ?? '';
     await twice('ValidateVolumeCapabilities', () =>
-      ctl.clients.controller.ValidateVolumeCapabilities({ volume_id: id, volume_capabilities: [cap] }),
+      ctl.controller.ValidateVolumeCapabilities({ volume_id: id, volume_capabilities: [cap] }),
     );
     await twice('ControllerModifyVolume', () =>
-      ctl.clients.controller.ControllerModifyVolume({
+      ctl.controller.ControllerModifyVolume({
         volume_id: id,
         mutable_parameters: { allocation: 'preallocate' },
       }),
     );
     await twice('ControllerPublishVolume', () =>
-      ctl.clients.controller.ControllerPublishVolume({
+      ctl.controller.ControllerPublishVolume({
         volume_id: id,
         node_id: 'node-1',
         volume_capability: cap,
@@ -740,23 +825,23 @@ describe.skipIf(!isRoot())('every RPC called twice', () => {
       }),
     );
     await twice('ControllerExpandVolume', () =>
-      ctl.clients.controller.ControllerExpandVolume({
+      ctl.controller.ControllerExpandVolume({
         volume_id: id,
         capacity_range: { required_bytes: String(64 * MiB) },
       }),
     );
     await codeOf(node('node-1').node.NodeExpandVolume({ volume_id: id, volume_path: p.target }));
     const s = await twice('CreateSnapshot', () =>
-      ctl.clients.controller.CreateSnapshot({ name: 'twice-snap', source_volume_id: id }),
+      ctl.controller.CreateSnapshot({ name: 'twice-snap', source_volume_id: id }),
     );
     await twice('GetSnapshot', () =>
-      ctl.clients.controller.GetSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
+      ctl.controller.GetSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
     );
     const g = await twice('CreateVolumeGroupSnapshot', () =>
-      ctl.clients.group.CreateVolumeGroupSnapshot({ name: 'twice-group', source_volume_ids: [id] }),
+      ctl.group.CreateVolumeGroupSnapshot({ name: 'twice-group', source_volume_ids: [id] }),
     );
     await twice('DeleteVolumeGroupSnapshot', () =>
-      ctl.clients.group.DeleteVolumeGroupSnapshot({
+      ctl.group.DeleteVolumeGroupSnapshot({
         group_snapshot_id: g.group_snapshot?.group_snapshot_id ?? '',
       }),
     );
@@ -767,22 +852,22 @@ describe.skipIf(!isRoot())('every RPC called twice', () => {
       node('node-1').node.NodeUnstageVolume({ volume_id: id, staging_target_path: p.staging }),
     );
     await twice('ControllerUnpublishVolume', () =>
-      ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }),
+      ctl.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }),
     );
     await twice('DeleteSnapshot', () =>
-      ctl.clients.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
+      ctl.controller.DeleteSnapshot({ snapshot_id: s.snapshot?.snapshot_id ?? '' }),
     );
-    await twice('DeleteVolume', () => ctl.clients.controller.DeleteVolume({ volume_id: id }));
+    await twice('DeleteVolume', () => ctl.controller.DeleteVolume({ volume_id: id }));
     for (const [what, call] of [
-      ['GetPluginInfo', () => ctl.clients.identity.GetPluginInfo({})],
-      ['GetPluginCapabilities', () => ctl.clients.identity.GetPluginCapabilities({})],
-      ['Probe', () => ctl.clients.identity.Probe({})],
-      ['ControllerGetCapabilities', () => ctl.clients.controller.ControllerGetCapabilities({})],
-      ['GroupControllerGetCapabilities', () => ctl.clients.group.GroupControllerGetCapabilities({})],
+      ['GetPluginInfo', () => ctl.identity.GetPluginInfo({})],
+      ['GetPluginCapabilities', () => ctl.identity.GetPluginCapabilities({})],
+      ['Probe', () => ctl.identity.Probe({})],
+      ['ControllerGetCapabilities', () => ctl.controller.ControllerGetCapabilities({})],
+      ['GroupControllerGetCapabilities', () => ctl.group.GroupControllerGetCapabilities({})],
       ['NodeGetCapabilities', () => node('node-1').node.NodeGetCapabilities({})],
       ['NodeGetInfo', () => node('node-1').node.NodeGetInfo({})],
-      ['ListVolumes', () => ctl.clients.controller.ListVolumes({})],
-      ['ListSnapshots', () => ctl.clients.controller.ListSnapshots({})],
+      ['ListVolumes', () => ctl.controller.ListVolumes({})],
+      ['ListSnapshots', () => ctl.controller.ListSnapshots({})],
     ] as const) {
       await twice(what, call as () => Promise<unknown>);
     }
