@@ -5,6 +5,13 @@
 #
 #   sanity/run.sh [mount|block ...]         (default: mount block)
 #   CSI_SANITY=/path/to/csi-sanity  SANITY_OUT=dir  SANITY_FOCUS=regex  sanity/run.sh
+#
+# Against plugins someone else runs (test/container/run.sh: the built image in containers), instead of
+# a throwaway driver:
+#   SANITY_ENDPOINT=/node.sock  SANITY_CONTROLLER_ENDPOINT=/controller.sock  (when not the same)
+#   SANITY_DIR=dir    where the staging and target directories go: one the node plugin sees at the
+#                     same path (its kubelet directory)
+#   SANITY_POOL=dir   the plugins' pool, so that loop devices left attached to its images count as leaks
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,13 +29,16 @@ MSG
   exit 3
 fi
 
-if [ ! -f "$repo/dist/main.js" ] || [ -n "$(find "$repo/src" -newer "$repo/dist/main.js" -name '*.ts' -print -quit)" ]; then
+external=${SANITY_ENDPOINT:-}
+if [ -z "$external" ] &&
+  { [ ! -f "$repo/dist/main.js" ] || [ -n "$(find "$repo/src" -newer "$repo/dist/main.js" -name '*.ts' -print -quit)" ]; }; then
   (cd "$repo" && npm run -s build) || exit 1
 fi
 
 out=${SANITY_OUT:-$here/out}
 mkdir -p "$out"
-tmp=$(mktemp -d /tmp/loopvol-sanity.XXXXXX)
+tmp=$(mktemp -d "${SANITY_DIR:-/tmp}/loopvol-sanity.XXXXXX")
+pool=${SANITY_POOL:-$tmp}
 driver_pid=""
 
 teardown() {
@@ -48,31 +58,40 @@ teardown() {
     [ -z "$dev" ] && continue
     echo "LEAK: loop device $dev ($file)" >&2; leaks=1
     losetup -d "$dev"
-  done < <(losetup -nO NAME,BACK-FILE 2>/dev/null | awk -v t="$tmp" 'index($2, t "/") == 1 { print $1, $2 }')
+  done < <(losetup -nO NAME,BACK-FILE 2>/dev/null | awk -v t="$pool" 'index($2, t "/") == 1 { print $1, $2 }')
   [ -f "$tmp/driver.log" ] && cp "$tmp/driver.log" "$out/driver.log"
   rm -rf "$tmp"
   return $leaks
 }
 trap 'teardown; exit 130' INT TERM
 
-node "$repo/dist/main.js" \
-  --endpoint="unix://$tmp/csi.sock" \
-  --nodeid=sanity-node \
-  --pool-dir="$tmp/pool" \
-  --pool-name=sanity \
-  --max-volumes-per-node=8 \
-  --log-level=info >"$tmp/driver.log" 2>&1 &
-driver_pid=$!
-for _ in $(seq 1 100); do
-  [ -S "$tmp/csi.sock" ] && break
-  sleep 0.1
-done
+if [ -n "$external" ]; then
+  endpoint=${external#unix://}
+  controller_endpoint=${SANITY_CONTROLLER_ENDPOINT:-$endpoint}
+  controller_endpoint=${controller_endpoint#unix://}
+else
+  node "$repo/dist/main.js" \
+    --endpoint="unix://$tmp/csi.sock" \
+    --nodeid=sanity-node \
+    --pool-dir="$tmp/pool" \
+    --pool-name=sanity \
+    --max-volumes-per-node=8 \
+    --log-level=info >"$tmp/driver.log" 2>&1 &
+  driver_pid=$!
+  for _ in $(seq 1 100); do
+    [ -S "$tmp/csi.sock" ] && break
+    sleep 0.1
+  done
+  endpoint=$tmp/csi.sock
+  controller_endpoint=$endpoint
+fi
 
 status=0
 for mode in "${modes[@]}"; do
   echo "=== csi-sanity, $mode volumes"
   args=(
-    --csi.endpoint="$tmp/csi.sock"
+    --csi.endpoint="$endpoint"
+    --csi.controllerendpoint="$controller_endpoint"
     --csi.mountdir="$tmp/target-$mode"
     --csi.stagingdir="$tmp/staging-$mode"
     --csi.testvolumeaccesstype="$mode"
