@@ -73,7 +73,9 @@ export async function leaksUnder(root: string): Promise<Leaks> {
     try {
       listed =
         (
-          JSON.parse(sh('losetup', ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO']) || '{}') as {
+          JSON.parse(
+            sh('losetup', ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO']) || '{}',
+          ) as {
             loopdevices?: typeof listed;
           }
         ).loopdevices ?? [];

@@ -766,7 +766,9 @@ describe('the Dockerfile', () => {
     // No `# syntax=` directive: it would fetch a frontend image from a registry at every build.
     expect(text).not.toMatch(/^# *syntax=/m);
     // An extra CA reaches npm ci as a build secret, never as a file of any layer.
-    expect(text).toMatch(/RUN --mount=type=secret,id=npm_ca\b[^\n]*\\\n[^\n]*NODE_EXTRA_CA_CERTS=\/run\/secrets\/npm_ca/);
+    expect(text).toMatch(
+      /RUN --mount=type=secret,id=npm_ca\b[^\n]*\\\n[^\n]*NODE_EXTRA_CA_CERTS=\/run\/secrets\/npm_ca/,
+    );
     expect(text).not.toMatch(/^(COPY|ADD)\b.*\.(pem|crt)\b/m);
     expect(text).toMatch(/npm prune --omit=dev/);
     expect(text).toMatch(/ENTRYPOINT \["node", "\/opt\/loopvol\/dist\/main.js"\]/);
