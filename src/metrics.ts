@@ -1,4 +1,4 @@
-/** Prometheus /metrics and /healthz on --metrics-address. */
+/** Prometheus /metrics, /healthz (ready: what Probe says) and /livez (alive) on --metrics-address. */
 import http from 'node:http';
 import type { Logger } from 'pino';
 import { collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
@@ -65,6 +65,10 @@ export async function serveMetrics(
     const handle = async (): Promise<void> => {
       if (req.url === '/metrics') {
         reply(200, metrics.registry.contentType, await metrics.registry.metrics());
+      } else if (req.url === '/livez') {
+        // Alive: the process answers. Not whether it can serve (that is /healthz, and Probe): a pool
+        // that is not mounted yet must not get the process restarted over and over.
+        reply(200, 'text/plain', 'alive\n');
       } else if (req.url === '/healthz') {
         const problem = await healthProblem();
         if (problem) reply(503, 'text/plain', `${problem}\n`);

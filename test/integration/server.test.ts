@@ -192,7 +192,7 @@ describe('the socket', () => {
 });
 
 describe('metrics', () => {
-  it('serves /metrics with per-call histograms and /healthz that follows Probe', async () => {
+  it('serves /metrics with per-call histograms, /healthz that follows Probe, and /livez', async () => {
     const base = await dir('metrics');
     const port = await freePort();
     const d = await driver({ dir: base, extra: [`--metrics-address=127.0.0.1:${port}`] });
@@ -210,6 +210,8 @@ describe('metrics', () => {
     const sick = await fetch(`http://127.0.0.1:${port}/healthz`);
     expect(sick.status).toBe(503);
     expect(await sick.text()).toContain('pool');
+    // Still alive: a missing pool makes it not ready, never a process to restart.
+    expect((await fetch(`http://127.0.0.1:${port}/livez`)).status).toBe(200);
   });
 });
 

@@ -31,6 +31,7 @@ interface Container {
   env?: { name: string }[];
   ports?: { name?: string; containerPort: number }[];
   livenessProbe?: Probe;
+  readinessProbe?: Probe;
   securityContext?: { privileged?: boolean };
   volumeMounts?: { name: string; mountPath: string; mountPropagation?: string }[];
 }
@@ -506,9 +507,16 @@ describe.each(VARIANTS)('the %s variant', (v) => {
       const probe = spec.containers.find((c) => sidecarOf(c) === 'livenessprobe');
       if (!probe) throw new Error(`${d.metadata.name} has no livenessprobe`);
       const driver = spec.containers.find((c) => c.name === 'loopvol') as Container;
-      expect(driver.livenessProbe?.httpGet?.path).toBe('/healthz');
-      expect(port(driver.livenessProbe?.httpGet?.port), `${d.metadata.name}: loopvol's probe port`).toBe(
+      // Ready is Probe (through livenessprobe); alive is the process answering on its metrics port,
+      // so a shared pool that is not mounted yet never gets loopvol restarted.
+      expect(driver.readinessProbe?.httpGet?.path).toBe('/healthz');
+      expect(port(driver.readinessProbe?.httpGet?.port), `${d.metadata.name}: loopvol's probe port`).toBe(
         endpointPort(probe),
+      );
+      const metrics = argValue(driver, '--metrics-address');
+      expect(driver.livenessProbe?.httpGet?.path).toBe('/livez');
+      expect(port(driver.livenessProbe?.httpGet?.port)).toBe(
+        Number(metrics?.slice(metrics.lastIndexOf(':') + 1)),
       );
       for (const c of spec.containers.filter((x) => x.args?.includes('--leader-election'))) {
         const where = `${d.metadata.name}/${c.name}`;
