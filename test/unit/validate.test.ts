@@ -132,6 +132,14 @@ describe('sizes', () => {
     [10 * MiB, 0, 300 * MiB, 1024 * MiB, undefined, 300 * MiB],
     [0, 0, MiB, 1024 * MiB, 50 * MiB, 50 * MiB],
     [80 * MiB, 0, MiB, 1024 * MiB, 50 * MiB, 80 * MiB],
+    // Requests round up, limits down (issue 18.6): a limit alone that is not a whole MiB still fits.
+    [0, 3 * MiB + 5, MiB, 1024 * MiB, undefined, 3 * MiB],
+    [0, MiB + 1, MiB, 1024 * MiB, undefined, MiB],
+    [0, 2 * MiB - 1, MiB, 1024 * MiB, undefined, MiB],
+    [MiB - 1, 0, MiB, 1024 * MiB, undefined, MiB],
+    [MiB - 1, MiB, MiB, 1024 * MiB, undefined, MiB],
+    [2 * MiB, 2 * MiB, MiB, 1024 * MiB, undefined, 2 * MiB],
+    [MiB + 1, 3 * MiB - 1, MiB, 1024 * MiB, undefined, 2 * MiB],
   ])(
     'chooseSize(%d, %d, min %d, default %d, source %s) = %d',
     (required, limit, min, def, source, expected) => {
@@ -144,6 +152,10 @@ describe('sizes', () => {
     [MiB + 1, MiB + 100, MiB, undefined],
     [10 * MiB, 0, MiB, 50 * MiB],
     [0, 10 * MiB, MiB, 50 * MiB],
+    [0, 1, MiB, undefined], // a limit of one byte holds no volume
+    [0, MiB - 1, MiB, undefined],
+    [MiB + 1, MiB + 1, MiB, undefined], // required = limit, not a whole MiB
+    [2 * MiB + 1, 3 * MiB - 1, MiB, undefined],
   ])('chooseSize(%d, %d, min %d, source %s) is OUT_OF_RANGE', (required, limit, min, source) => {
     expect(
       kindOf(() => chooseSize({ requiredBytes: required, limitBytes: limit }, min, 1024 * MiB, source)),
