@@ -13,6 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, leaksUnder, MiB, scratchFilesystem, writeRandom } from '../helpers/host.js';
+import { createVolume } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 /** Names unique to this run: a device another run left behind never matches one of ours. */
@@ -207,17 +208,7 @@ describe.skipIf(!isRoot())('a pod that goes away during a long frozen copy', () 
     const base = await env.dir('freeze-unstage');
     const d = await env.driver({ dir: base, extra: ['--freeze-budget=120'] });
     const cap = mountCap('ext4');
-    const res = await d.clients.controller.CreateVolume({
-      name: `pvc-frozen-${RUN}`,
-      capacity_range: { required_bytes: String(2048 * MiB) },
-      volume_capabilities: [cap],
-    });
-    const id = res.volume?.volume_id ?? '';
-    await d.clients.controller.ControllerPublishVolume({
-      volume_id: id,
-      node_id: 'node-1',
-      volume_capability: cap,
-    });
+    const { id } = await createVolume(d, `pvc-frozen-${RUN}`, cap, 2048 * MiB);
     const staging = path.join(base, 'staging');
     const target = path.join(base, 'pod', 'mount');
     await fs.mkdir(staging, { recursive: true });

@@ -14,6 +14,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { createVolume, publish } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -39,20 +40,10 @@ beforeAll(async () => {
 });
 
 async function volume(name: string, cap: VolumeCapability, bytes = 32 * MiB) {
-  const res = await d.clients.controller.CreateVolume({
-    name: `${name}-${RUN}`,
-    capacity_range: { required_bytes: String(bytes) },
-    volume_capabilities: [cap],
-  });
-  const id = res.volume?.volume_id ?? '';
-  await d.clients.controller.ControllerPublishVolume({
-    volume_id: id,
-    node_id: 'node-1',
-    volume_capability: cap,
-  });
+  const made = await createVolume(d, `${name}-${RUN}`, cap, bytes);
   const staging = path.join(base, `st-${name}`);
   await fs.mkdir(staging, { recursive: true });
-  return { id, staging, volume: res.volume };
+  return { ...made, staging };
 }
 
 describe.skipIf(!isRoot())('mount options across stage and publish, as the kernel shows them', () => {
@@ -81,14 +72,7 @@ describe.skipIf(!isRoot())('mount options across stage and publish, as the kerne
       for (const f of flags) expect(stagedOpts).toContain(f);
       if (!flags.includes('ro')) expect(stagedOpts).toContain('rw');
       const target = path.join(base, `pod-${name}`, 'mount');
-      await fs.mkdir(path.dirname(target), { recursive: true });
-      await d.clients.node.NodePublishVolume({
-        volume_id: id,
-        staging_target_path: staging,
-        target_path: target,
-        volume_capability: cap,
-        readonly,
-      });
+      await publish(d, id, staging, target, cap, readonly);
       const opts = await optionsAt(target);
       for (const w of wanted) expect(opts, `target options ${opts.join(',')}`).toContain(w);
       for (const u of unwanted) expect(opts).not.toContain(u);
@@ -151,13 +135,7 @@ describe.skipIf(!isRoot())('a block volume has no filesystem of ours', () => {
       volume_capability: cap,
     });
     const target = path.join(base, 'pod-raw', 'dev');
-    await fs.mkdir(path.dirname(target), { recursive: true });
-    await d.clients.node.NodePublishVolume({
-      volume_id: id,
-      staging_target_path: staging,
-      target_path: target,
-      volume_capability: cap,
-    });
+    await publish(d, id, staging, target, cap);
     // The pod makes an xfs of it, then goes (a copy of a block volume in use is refused on this pool).
     execFileSync('mkfs.xfs', ['-q', '-f', target]);
     const down = async () => {

@@ -9,11 +9,11 @@ import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 /** Names unique to this run: a device another run left behind never matches one of ours. */
@@ -33,47 +33,6 @@ const exists = (p: string): Promise<boolean> =>
     () => true,
     () => false,
   );
-
-/** Creates a volume through `c` and publishes it to `node`; returns its id and image path. */
-async function createVolume(
-  c: DriverProcess,
-  name: string,
-  cap: VolumeCapability,
-  bytes: number,
-  node = 'node-1',
-): Promise<{ id: string; image: string }> {
-  const res = await c.clients.controller.CreateVolume({
-    name,
-    capacity_range: { required_bytes: String(bytes) },
-    volume_capabilities: [cap],
-  });
-  const id = res.volume?.volume_id ?? '';
-  await c.clients.controller.ControllerPublishVolume({
-    volume_id: id,
-    node_id: node,
-    volume_capability: cap,
-  });
-  return { id, image: path.join(c.poolDir, 'volumes', id, 'disk.img') };
-}
-
-async function stage(n: DriverProcess, id: string, staging: string, cap: VolumeCapability) {
-  await fs.mkdir(staging, { recursive: true });
-  return n.clients.node.NodeStageVolume({
-    volume_id: id,
-    staging_target_path: staging,
-    volume_capability: cap,
-  });
-}
-
-async function publish(n: DriverProcess, id: string, staging: string, target: string, cap: VolumeCapability) {
-  await fs.mkdir(path.dirname(target), { recursive: true });
-  return n.clients.node.NodePublishVolume({
-    volume_id: id,
-    staging_target_path: staging,
-    target_path: target,
-    volume_capability: cap,
-  });
-}
 
 describe.skipIf(!isRoot())('a node plugin replaced by one that sees the pool at another path', () => {
   it('tears down what its predecessor staged and published, and only then lets the volume go', async () => {
@@ -280,12 +239,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
 
   it('quarantines a volume whose meta.json does not parse instead of discarding it on a retry', async () => {
     const cap = mountCap('ext4');
-    const res = await d.clients.controller.CreateVolume({
-      name: `pvc-torn-${RUN}`,
-      capacity_range: { required_bytes: String(16 * MiB) },
-      volume_capabilities: [cap],
-    });
-    const id = res.volume?.volume_id ?? '';
+    const { id } = await createVolume(d, `pvc-torn-${RUN}`, cap, 16 * MiB, null);
     const dir = path.join(d.poolDir, 'volumes', id);
     await writeRandom(path.join(dir, 'disk.img'), 4, 9);
     const sum = await sha256(path.join(dir, 'disk.img'));
@@ -325,14 +279,7 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
 
   it('quarantines on delete, an image without a record, and a snapshot whose record is damaged', async () => {
     const cap = mountCap('ext4');
-    const mk = async (name: string) =>
-      (
-        await d.clients.controller.CreateVolume({
-          name,
-          capacity_range: { required_bytes: String(8 * MiB) },
-          volume_capabilities: [cap],
-        })
-      ).volume?.volume_id ?? '';
+    const mk = async (name: string) => (await createVolume(d, name, cap, 8 * MiB, null)).id;
     const a = await mk(`pvc-del-damaged-${RUN}`);
     await fs.writeFile(path.join(d.poolDir, 'volumes', a, 'meta.json'), 'not json');
     const e = await errorOf(d.clients.controller.DeleteVolume({ volume_id: a }));
@@ -553,12 +500,7 @@ describe.skipIf(!isRoot())('two nodes staging a fresh multi-reader volume at the
     const b = await env.nodePlugin(base, 'node-b');
     const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
     for (let round = 0; round < 6; round++) {
-      const res = await d.clients.controller.CreateVolume({
-        name: `pvc-race-${round}-${RUN}`,
-        capacity_range: { required_bytes: String(64 * MiB) },
-        volume_capabilities: [cap],
-      });
-      const id = res.volume?.volume_id ?? '';
+      const { id } = await createVolume(d, `pvc-race-${round}-${RUN}`, cap, 64 * MiB, null);
       for (const node of ['node-a', 'node-b']) {
         await d.clients.controller.ControllerPublishVolume({
           volume_id: id,
