@@ -32,6 +32,8 @@ export function toolsFor(mode: Mode): string[] {
 /** Tools found once stay found (a package is not uninstalled under a running driver); missing ones are looked for again. */
 const found = new Set<string>();
 
+/** How long Probe may reuse an answer: a pool or a tool that goes away is reported within this time. */
+export const PROBE_REUSE_MS = 1_000;
 /** How long a readiness check may take before the answer is "not ready": a hung pool must not hang Probe. */
 export const READINESS_TIMEOUT_MS = 2_000;
 
@@ -58,18 +60,25 @@ async function check(state: PoolState, mode: Mode): Promise<string | undefined> 
  */
 export class Readiness {
   private running: Promise<string | undefined> | undefined;
+  private last: { at: number; problem: string | undefined } | undefined;
 
   constructor(
     private readonly pool: () => PoolState,
     private readonly mode: Mode,
   ) {}
 
-  /** A sentence saying why this process is not ready, or undefined when it is. */
-  async problem(timeoutMs = READINESS_TIMEOUT_MS): Promise<string | undefined> {
+  /**
+   * A sentence saying why this process is not ready, or undefined when it is. `maxAgeMs`: an answer
+   * that old may be reused (Probe, polled by several sidecars, reuses one for PROBE_REUSE_MS; /healthz
+   * never does).
+   */
+  async problem(timeoutMs = READINESS_TIMEOUT_MS, maxAgeMs = 0): Promise<string | undefined> {
+    if (this.last && performance.now() - this.last.at <= maxAgeMs) return this.last.problem;
     const state = this.pool();
     this.running ??= check(state, this.mode).then(
       (problem) => {
         this.running = undefined;
+        this.last = { at: performance.now(), problem };
         return problem;
       },
       (err: unknown) => {

@@ -5,7 +5,7 @@ import { failedPrecondition } from '../errors.js';
 import type { GetPluginCapabilitiesResponse } from '../gen/csi/v1/GetPluginCapabilitiesResponse.js';
 import type { IdentityHandlers } from '../gen/csi/v1/Identity.js';
 import type { PluginCapability } from '../gen/csi/v1/PluginCapability.js';
-import { READINESS_TIMEOUT_MS, type Readiness } from '../health.js';
+import { PROBE_REUSE_MS, READINESS_TIMEOUT_MS, type Readiness } from '../health.js';
 import { method, type Methods } from '../server/call.js';
 
 export interface IdentityDeps {
@@ -44,7 +44,7 @@ export function identityService({ config, readiness, version }: IdentityDeps): M
       run: async (_v, ctx) => {
         // Answer within the caller's deadline, whatever the pool's filesystem does.
         const wait = Math.max(100, Math.min(READINESS_TIMEOUT_MS, ctx.deadline - Date.now() - 200));
-        const problem = await readiness.problem(wait);
+        const problem = await readiness.problem(wait, PROBE_REUSE_MS);
         if (problem) throw failedPrecondition(problem);
         return { ready: { value: true } };
       },
