@@ -117,8 +117,8 @@ export const FLAGS: readonly FlagSpec[] = [
   {
     name: 'node-fence-seconds',
     value: 'SECONDS',
-    default: '60',
-    help: 'how long a node that still holds a volume the CO detached from it must be silent before another node may stage that volume (unless it fences itself sooner)',
+    default: '0',
+    help: 'a volume the CO detached from a node that still held it waits until that node confirms it stopped using it; with N > 0 (at least 15), also until the node has been silent N s. Silence proves nothing on its own: use it only where a silent node cannot write (a watchdog reboots it)',
   },
   {
     name: 'shutdown-timeout',
@@ -295,8 +295,14 @@ export function parseConfig(argv: readonly string[]): ParseResult {
 
   const fenceText = get('node-fence-seconds');
   const fenceSeconds = /^\d+$/.test(fenceText) ? Number(fenceText) : NaN;
-  if (!Number.isSafeInteger(fenceSeconds) || fenceSeconds < 1 || fenceSeconds > 86_400) {
-    throw new ConfigError(`--node-fence-seconds ${fenceText}: must be whole seconds from 1 to 86400`);
+  if (
+    !Number.isSafeInteger(fenceSeconds) ||
+    (fenceSeconds !== 0 && fenceSeconds < 15) ||
+    fenceSeconds > 86_400
+  ) {
+    throw new ConfigError(
+      `--node-fence-seconds ${fenceText}: must be 0 (off) or whole seconds from 15 (three heartbeats) to 86400`,
+    );
   }
   const createText = get('create-pool');
   if (createText !== 'true' && createText !== 'false') {

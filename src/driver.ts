@@ -26,7 +26,8 @@ import { type PoolState, Readiness } from './health.js';
 import { kernelHost, loopsBackedBy } from './host/host.js';
 import { Metrics, serveMetrics } from './metrics.js';
 import type { NodeDeps } from './node/on-host.js';
-import { QuiesceAgent, thawLeftovers } from './node/quiesce.js';
+import { FenceGuard, thawLeftovers } from './node/fence.js';
+import { QuiesceAgent } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool, PoolMissing } from './pool/pool.js';
@@ -65,6 +66,7 @@ interface Serving {
   group: Methods<GroupControllerHandlers>;
   node: Methods<NodeHandlers>;
   agent: QuiesceAgent | undefined;
+  guard: FenceGuard | undefined;
 }
 
 /** Builds the stores and services over an open pool; a node plugin also registers and starts answering freezes. */
@@ -81,7 +83,7 @@ async function serve(
   const snapshots = new SnapshotStore(pool, log);
   const board = new QuiesceBoard(pool);
   const startup = startupContext(log, runner);
-  const out: Serving = { pool, controller: {}, group: {}, node: {}, agent: undefined };
+  const out: Serving = { pool, controller: {}, group: {}, node: {}, agent: undefined, guard: undefined };
   const quarantined = await pool.quarantined();
   if (quarantined.length > 0) {
     log.warn(
@@ -123,10 +125,13 @@ async function serve(
     };
     // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
     // requests are answered.
-    out.agent = new QuiesceAgent(nodeDeps, board, inflight, runner, log);
+    out.guard = new FenceGuard(nodeDeps, pool, inflight, runner, log);
+    await out.guard.prepare();
+    out.agent = new QuiesceAgent(nodeDeps, board, inflight, out.guard, runner, log);
     await out.agent.prepare();
-    await thawLeftovers(nodeDeps, startup);
+    await thawLeftovers(nodeDeps, startup, out.guard);
     out.agent.run();
+    out.guard.run();
     out.node = nodeService(nodeDeps);
   }
   return out;
@@ -285,6 +290,7 @@ export async function startDriver(
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
       await looking;
       await serving?.agent?.stop();
+      await serving?.guard?.stop();
     },
   };
 }

@@ -9,7 +9,7 @@ import type { NodeServiceCapability } from '../gen/csi/v1/NodeServiceCapability.
 import { expandVolume } from '../node/grow.js';
 import type { NodeDeps } from '../node/on-host.js';
 import { publishVolume, unpublishVolume } from '../node/publish.js';
-import { nodeKey } from '../node/quiesce.js';
+import { nodeKey } from '../node/fence.js';
 import { stageVolume } from '../node/stage.js';
 import { volumeStats } from '../node/stats.js';
 import { unstageVolume } from '../node/unstage.js';

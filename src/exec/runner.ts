@@ -134,6 +134,9 @@ export class ExecRunner implements Runner {
       timeout,
       cancelSignal: signals.length > 1 ? AbortSignal.any(signals) : signals[0],
       forceKillAfterDelay: 2_000,
+      // A detached command (mkfs, fsck, resize, a copy) outlives this process if it must: killing it
+      // midway is what detaching it avoids.
+      cleanup: !options.detached,
       env: { LC_ALL: 'C', LANG: 'C', PATH: searchPath().join(path.delimiter) },
       extendEnv: true,
       stripFinalNewline: true,

@@ -15,7 +15,7 @@ import { backingName } from '../host/loop.js';
 import { sameFile } from '../host/paths.js';
 import { isVolumeId } from '../pool/ids.js';
 import { IMAGE_FILE } from '../pool/layout.js';
-import type { NodeRegistry } from '../pool/nodes.js';
+import type { FencedEntry, NodeRegistry } from '../pool/nodes.js';
 import { isReaderOnly, type Lease, type VolumeMeta } from '../pool/types.js';
 import type { VolumeStore } from '../pool/volumes.js';
 
@@ -40,9 +40,24 @@ export interface NodeDeps {
  * taken from it (see node/quiesce.ts). They are never thawed: writes waiting on them belong to a pod
  * that lost the volume, and another node may be writing it now. Only a reboot ends them.
  */
-export async function fencedDevices(d: NodeDeps, id: string): Promise<Set<string>> {
+export async function fencedDevices(
+  d: NodeDeps,
+  id: string,
+  loops: readonly LoopDevice[],
+): Promise<Set<string>> {
   const entries = await d.nodes.fenced(d.nodeId, d.bootId);
-  return new Set(entries.filter((e) => e.volumeId === id).map((e) => e.device));
+  const mine = entries === 'unreadable' ? entries : entries.filter((e) => e.volumeId === id);
+  return new Set(loops.filter((l) => isFencedIn(mine, l)).map((l) => l.path));
+}
+
+/** Whether `entries` (or an unreadable record: anything) says `loop` is a fence. */
+export function isFencedIn(entries: readonly FencedEntry[] | 'unreadable', loop: LoopDevice): boolean {
+  if (entries === 'unreadable') return true;
+  return entries.some(
+    (e) =>
+      e.device === loop.path &&
+      (loop.backing === undefined || sameFile(loop.backing, { dev: e.backingDev, ino: e.backingIno })),
+  );
 }
 
 export function fencedError(id: string, device: string) {

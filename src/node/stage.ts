@@ -79,7 +79,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const staging = await callerPath(d, r.staging, 'staging_target_path');
   const readOnly = isReaderOnly(r.cap.mode);
   const on = await lookAtHost(d, x, r.id);
-  const fenced = [...(await fencedDevices(d, r.id))].find((dev) => on.loops.some((l) => l.path === dev));
+  const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;

@@ -48,7 +48,7 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   const { ours: oursAt, foreign } = classifyAt(on, staging, ours);
   if (foreign.length > 0) throw foreignMountError(on, staging, 'staging_target_path', foreign);
 
-  const fenced = await fencedDevices(d, r.id);
+  const fenced = await fencedDevices(d, r.id, on.loops);
   let table = on.mounts;
   if (oursAt.length > 0) {
     // A frozen filesystem that is unmounted stays frozen, holding its device: thaw it first, unless it

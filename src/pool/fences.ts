@@ -9,15 +9,8 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
 import { conflict, mismatch, noSpace, unsafe } from '../errors.js';
-import {
-  exists,
-  isRecord,
-  listDir,
-  readRecord,
-  type RecordRead,
-  removeFile,
-  writeFileAtomic,
-} from './fsutil.js';
+import { exists, listDir, readRecord, type RecordRead, removeFile, writeFileAtomic } from './fsutil.js';
+import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
@@ -221,6 +214,10 @@ export abstract class VolumeFences {
       });
       for (const n of targets) {
         if (!isNodeId(n)) continue;
+        // The node learns of it from its list of revocations (one file it reads every few seconds).
+        // Added again on a retry (a crash here must not leave a revocation its node never hears of).
+        if (revoked[n] && revoked[n].fencedAt === undefined)
+          await this.nodes.changeRevocation(this.pool, n, id, true);
         await removeFile(this.layout.lease(id, n));
         await removeFile(this.layout.attachment(id, n));
         await this.nodes.removeAttached(n, id);
@@ -255,12 +252,25 @@ export abstract class VolumeFences {
       await this.mustGet(id);
       const all = await this.leases(id);
       const shareable = (l: Lease): boolean => isMultiNode(l.mode) && l.readonly;
+      const silent: string[] = [];
       for (const l of all) {
-        if (l.node === lease.node) continue;
+        if (l.node === lease.node) {
+          if (l.revokedAt !== undefined && !(await this.attachments(id)).some((a) => a.node === lease.node)) {
+            // A stage that raced the detach must not undo it: the CO publishes to this node again first.
+            throw conflict(
+              `Volume ${id} was detached from node ${lease.node} at ${l.revokedAt}; publish it to this node again first.`,
+            );
+          }
+          continue;
+        }
         if (l.revokedAt !== undefined) {
-          if (await this.released(l)) continue;
+          if (l.readonly || l.fencedAt !== undefined) continue;
+          if (await this.nodes.seenDead(l.node)) {
+            silent.push(l.node);
+            continue;
+          }
           throw conflict(
-            `Volume ${id} was detached from node ${l.node} at ${l.revokedAt} while still staged there; node ${lease.node} can stage it once ${l.node} has fenced itself (its plugin freezes the filesystem) or has been silent for ${Math.round(this.nodes.fenceMs / 1000)} s.`,
+            `Volume ${id} was detached from node ${l.node} at ${l.revokedAt} while still staged there; node ${lease.node} can stage it once ${l.node} has confirmed that it stopped using it (its plugin freezes the filesystem; a node that died confirms when it is back)${this.nodes.fenceMs > 0 ? `, or has been silent for ${Math.round(this.nodes.fenceMs / 1000)} s` : ''}.`,
           );
         }
         if (!(shareable(l) && shareable(lease))) {
@@ -271,23 +281,34 @@ export abstract class VolumeFences {
       }
       const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
       if (mine && mine.stagingPath !== lease.stagingPath) return mine;
-      if (
+      const rewrite =
         !mine ||
         mine.accessType !== lease.accessType ||
         mine.mode !== lease.mode ||
         mine.readonly !== lease.readonly ||
-        (lease.device !== undefined && mine.device !== lease.device)
-      ) {
+        (lease.device !== undefined && mine.device !== lease.device);
+      if (rewrite || silent.length > 0) {
         const f = await this.fenceFileForUpdate(id);
-        const device = lease.device ?? mine?.device;
-        const record: Lease = { ...lease, ...(device ? { device } : {}), since: mine?.since ?? lease.since };
-        // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
-        await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
-        await writeFileAtomic(this.layout.lease(id, lease.node), json(record));
-        // This node's own revoked lease is replaced by the new one. Other nodes' stay (released ones
-        // stop nobody) until those nodes unstage: they say which devices on their host are theirs.
-        const revoked = without(f.revoked, new Set([lease.node]));
-        await this.writeFenceFile(id, { ...f, leases: { ...f.leases, [lease.node]: record }, revoked });
+        // A node let go for its silence stays let go, whatever its heartbeat does later.
+        const seconds = Math.round(this.nodes.fenceMs / 1000);
+        let revoked = letGo(f.revoked, silent, `seen silent for ${seconds} s by node ${lease.node}`);
+        let leases = f.leases;
+        if (rewrite) {
+          const device = lease.device ?? mine?.device;
+          const record: Lease = {
+            ...lease,
+            ...(device ? { device } : {}),
+            since: mine?.since ?? lease.since,
+          };
+          // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
+          await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
+          await writeFileAtomic(this.layout.lease(id, lease.node), json(record));
+          leases = { ...f.leases, [lease.node]: record };
+          // This node's own revoked lease is replaced by the new one. Other nodes' stay (released ones
+          // stop nobody) until those nodes unstage: they say which devices on their host are theirs.
+          revoked = without(revoked, new Set([lease.node]));
+        }
+        await this.writeFenceFile(id, { ...f, leases, revoked });
       }
       return mine;
     });
@@ -313,18 +334,21 @@ export abstract class VolumeFences {
 
   /** Whether a revoked lease no longer stops others: its node fenced itself, or is seen dead. */
   async released(l: Lease): Promise<boolean> {
-    return l.fencedAt !== undefined || (await this.nodes.seenDead(l.node));
+    return l.readonly || l.fencedAt !== undefined || (await this.nodes.seenDead(l.node));
   }
 
-  /** Records that `node` stopped writing a volume taken from it (its revoked lease is released). */
-  async markFenced(id: string, node: string, at: string): Promise<void> {
+  /**
+   * Records that `node` stopped writing a volume taken from it (its revoked lease is released); `how`
+   * says what it did.
+   */
+  async markFenced(id: string, node: string, how: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'fence', async () => {
       if (!(await exists(this.layout.volumeDir(id)))) return;
       const f = await this.fenceFileForUpdate(id);
       const l = f.revoked[node];
       if (!l || l.fencedAt !== undefined) return;
-      await this.writeFenceFile(id, { ...f, revoked: { ...f.revoked, [node]: { ...l, fencedAt: at } } });
+      await this.writeFenceFile(id, { ...f, revoked: letGo(f.revoked, [node], how) });
     });
   }
 
@@ -344,47 +368,4 @@ export abstract class VolumeFences {
       await removeFile(this.layout.lease(id, node));
     });
   }
-}
-
-/**
- * volumes/<id>/fences.json: every node's attachment and lease in one file. One file that always has
- * the same name is read fresh at every open on a network filesystem (close-to-open), where a listing
- * of a directory of per-node files can be served from a client's cache for a minute.
- */
-interface FenceFile {
-  attachments: Record<string, Attachment>;
-  leases: Record<string, Lease>;
-  /** Leases of nodes the volume was detached from while staged (see unpublish). */
-  revoked: Record<string, Lease>;
-}
-
-const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
-  Object.fromEntries(Object.entries(r).filter(([k]) => !keys.has(k)));
-
-function parseFenceFile(v: unknown): FenceFile | undefined {
-  if (!isRecord(v) || !isRecord(v.attachments) || !isRecord(v.leases)) return undefined;
-  if (v.revoked !== undefined && !isRecord(v.revoked)) return undefined;
-  const attachments: Record<string, Attachment> = {};
-  const leases: Record<string, Lease> = {};
-  const revoked: Record<string, Lease> = {};
-  for (const [node, l] of Object.entries(v.revoked ?? {})) {
-    const parsed = parseLease(l);
-    if (!parsed || parsed.node !== node || parsed.revokedAt === undefined) return undefined;
-    revoked[node] = parsed;
-  }
-  for (const [node, a] of Object.entries(v.attachments)) {
-    const parsed = parseAttachment(a);
-    if (!parsed || parsed.node !== node) return undefined;
-    attachments[node] = parsed;
-  }
-  for (const [node, l] of Object.entries(v.leases)) {
-    const parsed = parseLease(l);
-    if (!parsed || parsed.node !== node) return undefined;
-    leases[node] = parsed;
-  }
-  return { attachments, leases, revoked };
-}
-
-function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {
-  return `${a.accessType} access, ${a.mode}${a.readonly ? ', read-only' : ''}`;
 }

@@ -16,6 +16,7 @@
  *   nodes/<node>.attached/<vol-id>    index of volumes published to a node (counts the limit)
  *   nodes/<node>.alive                the node plugin's heartbeat (rewritten every few seconds)
  *   nodes/<node>.fenced               filesystems the node froze for good after a force-detach
+ *   nodes/<node>.revoked              volumes force-detached from the node, not yet confirmed by it
  *   nodes/<node>.quiesce              freeze requests to a node (see pool/quiesce.ts)
  *   nodes/<node>.frozen               the node's answers to them
  *   locks/<key>.lock                  cross-process locks
@@ -121,6 +122,9 @@ export class PoolLayout {
   }
   nodeAlive(node: string): string {
     return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.alive`);
+  }
+  nodeRevocations(node: string): string {
+    return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.revoked`);
   }
   nodeFenced(node: string): string {
     return path.join(this.nodesDir, `${checked(node, isNodeId(node), 'node id')}.fenced`);

@@ -6,32 +6,43 @@
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import { isNotFoundErrno } from '../errors.js';
-import { listDir, readJson, removeFile, writeFileAtomic } from './fsutil.js';
+import { isRecord, listDir, readJson, removeFile, writeFileAtomic } from './fsutil.js';
 import { isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
+import type { Pool } from './pool.js';
 import { type NodeRecord, parseNodeRecord } from './types.js';
 
 /** How often a node plugin rewrites its heartbeat. */
 export const HEARTBEAT_MS = 5_000;
-/** How long a node's heartbeat must be seen unchanged before it counts as dead (--node-fence-seconds). */
-export const FENCE_MS = 60_000;
-
-/** A filesystem a node froze for good because its volume was taken from it while mounted. */
+/**
+ * A filesystem a node froze for good because its volume was taken from it while mounted: the device
+ * and the identity of its backing file, so a device that is freed and reused is not taken for it.
+ */
 export interface FencedEntry {
   volumeId: string;
   device: string;
+  backingDev: string;
+  backingIno: string;
   bootId: string;
   at: string;
 }
+
+const isFencedEntry = (e: unknown): e is FencedEntry =>
+  isRecord(e) &&
+  ['volumeId', 'device', 'backingDev', 'backingIno', 'bootId', 'at'].every((k) => typeof e[k] === 'string');
 
 export class NodeRegistry {
   /** What this process saw of other nodes' heartbeats, and since when (its own monotonic clock). */
   private readonly sightings = new Map<string, { fingerprint: string; since: number }>();
   private seq = 0;
 
+  /**
+   * `fenceMs`: how long a node's heartbeat must be seen unchanged before a volume taken from it is let
+   * go without its confirmation (--node-fence-seconds); 0: never, a node must confirm.
+   */
   constructor(
     private readonly layout: PoolLayout,
-    readonly fenceMs = FENCE_MS,
+    readonly fenceMs = 0,
   ) {}
 
   /** Rewrites this node's heartbeat: a file whose content changes every time. */
@@ -50,6 +61,7 @@ export class NodeRegistry {
    * compared with ours; a first look starts the count.
    */
   async seenDead(node: string): Promise<boolean> {
+    if (this.fenceMs <= 0) return false;
     let fingerprint: string;
     try {
       fingerprint = (await fs.readFile(this.layout.nodeAlive(node), 'utf8')).trim();
@@ -66,15 +78,50 @@ export class NodeRegistry {
     return now - seen.since >= this.fenceMs;
   }
 
-  /** The filesystems `node` froze for good (this boot's; an entry of an earlier boot is gone with it). */
-  async fenced(node: string, bootId: string): Promise<FencedEntry[]> {
-    const raw = await readJson(this.layout.nodeFenced(node)).catch(() => undefined);
-    const list = Array.isArray(raw) ? (raw as FencedEntry[]) : [];
-    return list.filter((e) => typeof e.device === 'string' && e.bootId === bootId);
+  /**
+   * The filesystems `node` froze for good (this boot's; an entry of an earlier boot is gone with it).
+   * 'unreadable' when the record cannot be read: then any filesystem may be a fence, and none may be
+   * thawed.
+   */
+  async fenced(node: string, bootId: string): Promise<FencedEntry[] | 'unreadable'> {
+    let raw: unknown;
+    try {
+      raw = await readJson(this.layout.nodeFenced(node));
+    } catch {
+      return 'unreadable';
+    }
+    if (raw === undefined) return [];
+    if (!Array.isArray(raw) || !raw.every(isFencedEntry)) return 'unreadable';
+    return raw.filter((e) => e.bootId === bootId);
   }
 
   async setFenced(node: string, entries: readonly FencedEntry[]): Promise<void> {
     await writeFileAtomic(this.layout.nodeFenced(node), `${JSON.stringify(entries, null, 2)}\n`);
+  }
+
+  /**
+   * Volumes taken from `node` (force-detached while it held them) that it has not yet confirmed: the
+   * node's plugin reads this one file every few seconds, fences what it still has, and confirms.
+   */
+  async revocations(node: string): Promise<string[]> {
+    const raw = await readJson(this.layout.nodeRevocations(node)).catch(() => undefined);
+    return Array.isArray(raw) ? raw.filter((v): v is string => typeof v === 'string' && isVolumeId(v)) : [];
+  }
+
+  /** Adds (or removes) a volume in `node`'s list of revocations, under that list's lock. */
+  async changeRevocation(pool: Pool, node: string, volumeId: string, add: boolean): Promise<void> {
+    await pool.withLock(
+      `revocations-${node}`,
+      'revocations',
+      async () => {
+        const now = new Set(await this.revocations(node));
+        if (add === now.has(volumeId)) return;
+        if (add) now.add(volumeId);
+        else now.delete(volumeId);
+        await writeFileAtomic(this.layout.nodeRevocations(node), `${JSON.stringify([...now].sort())}\n`);
+      },
+      10_000,
+    );
   }
 
   async register(node: string, pool: string, maxVolumes: number): Promise<NodeRecord> {

@@ -538,18 +538,11 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
     await other.unstage();
   });
 
-  it("releases a dead node's hold when the CO unpublishes the volume from it", async () => {
+  it("releases a dead node's hold once the CO unpublished it and the node confirms, back up", async () => {
     const base = await dir('deadnode');
     const n1 = await env.nodePlugin(base, 'node-1');
     const ctl = await driver({ dir: base, mode: 'controller' });
-    // node-2 judges node-1 dead after 2 s of silence (the default is 60).
-    const n2 = await driver({
-      dir: base,
-      socket: path.join(base, 'node-2.sock'),
-      nodeId: 'node-2',
-      mode: 'node',
-      extra: ['--node-fence-seconds=2'],
-    });
+    const n2 = await env.nodePlugin(base, 'node-2');
     const cap = mountCap('ext4');
     const id =
       (
@@ -580,11 +573,14 @@ describe.skipIf(!isRoot())('the node-side fence', () => {
       node_id: 'node-2',
       volume_capability: cap,
     });
-    // Released once node-1 has been silent long enough (it can no longer write: it is dead).
+    // Held until node-1 confirms it holds nothing: silence alone proves nothing (a hung plugin's
+    // mounts still write). node-1 comes back (rebooted: nothing mounted) and confirms at once.
     const first = await errorOf(v2.stage());
-    expect(first.details).toMatch(/silent for 2 s/);
+    expect(first.code).toBe('FAILED_PRECONDITION');
+    expect(first.details).toMatch(/node-1 has confirmed/);
+    await env.nodePlugin(base, 'node-1');
     let staged = false;
-    for (let i = 0; i < 40 && !staged; i++) {
+    for (let i = 0; i < 60 && !staged; i++) {
       await new Promise((r) => setTimeout(r, 250));
       staged = (await codeOf(v2.stage())) === 'OK';
     }

@@ -33,6 +33,8 @@ describe('parseConfig', () => {
     expect(c.overcommitRatio).toBe(1);
     expect(c.defaultVolumeSize).toBe(2 ** 30);
     expect(c.loopDirectIo).toBe(true);
+    expect(c.nodeFenceMs).toBe(0); // silence never releases a volume unless an operator opts in
+    expect(run(['--nodeid', 'n1', '--node-fence-seconds=15']).nodeFenceMs).toBe(15_000);
   });
 
   it('accepts every flag in both --flag value and --flag=value forms', () => {
@@ -95,6 +97,9 @@ describe('parseConfig', () => {
     [['--nodeid', 'n', '--overcommit-ratio', '0.5'], '--overcommit-ratio'],
     [['--nodeid', 'n', '--default-volume-size', '10'], '--default-volume-size'],
     [['--nodeid', 'n', '--loop-direct-io', 'yes'], '--loop-direct-io'],
+    [['--nodeid', 'n', '--node-fence-seconds', '4'], 'must be 0 (off) or whole seconds from 15'],
+    [['--nodeid', 'n', '--node-fence-seconds', '86401'], '--node-fence-seconds 86401'],
+    [['--nodeid', 'n', '--node-fence-seconds', '1.5'], '--node-fence-seconds 1.5'],
     [['--nodeid', 'n', '--unknown-flag'], 'Unknown option'],
     [['--nodeid', 'n', 'positional'], 'positional'],
   ])('rejects %j with a one-line reason', (args, fragment) => {

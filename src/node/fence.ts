@@ -1,0 +1,217 @@
+/**
+ * Fencing, the node's side: what this node does when a volume is taken from it while it may still
+ * write it (the CO detached it, a force-detach: Kubernetes does it when a node stops answering).
+ *
+ * The controller revokes the node's lease and lists the volume in the node's revocations
+ * (nodes/<node>.revoked). Every few seconds this guard rewrites the node's heartbeat, reads that list,
+ * and settles each volume: a filesystem of it mounted for writing here is frozen for good (the old
+ * pod's writes hang instead of reaching a volume another node may now use), recorded for this boot
+ * (nodes/<node>.fenced), and confirmed to the pool (the revoked lease gets fencedAt), which lets another
+ * node stage it. With nothing writable here, it confirms at once. A raw block device in use cannot be
+ * frozen: it is not confirmed until the node unstages it.
+ *
+ * A fenced filesystem is never thawed by the driver (not at start, unstage, restage, nor after a
+ * snapshot): a reboot ends it. Only this node's own freezes count: a filesystem someone else froze
+ * (EBUSY) is frozen again by this node once they thaw it, before anything is confirmed.
+ */
+import { detached, type Exec, bindExec, type Runner } from '../exec/runner.js';
+import type { LoopDevice } from '../host/host.js';
+import { backingName } from '../host/loop.js';
+import type { Logger } from '../log.js';
+import { IMAGE_FILE } from '../pool/layout.js';
+import { type FencedEntry, HEARTBEAT_MS } from '../pool/nodes.js';
+import type { Pool } from '../pool/pool.js';
+import {
+  isDeviceBind,
+  isFencedIn,
+  isThisPoolsVolume,
+  loopOfMount,
+  lookAtHost,
+  type NodeDeps,
+  othersLoops,
+  stagingLoop,
+} from './on-host.js';
+
+/** The in-process keys calls hold (the server's in-flight set). */
+export interface KeyLocks {
+  tryAcquire(keys: readonly string[], holder: string): (() => void) | { heldBy: string; key: string };
+}
+
+/** The key node calls on a volume hold (and freezes, and fencing). */
+export const nodeKey = (volumeId: string): string => `node:${volumeId}`;
+
+export class FenceGuard {
+  private fenced: FencedEntry[] | 'unreadable' = [];
+  private timer: NodeJS.Timeout | undefined;
+  private running: Promise<void> | undefined;
+  private stopped = false;
+  private readonly x: Exec;
+  private readonly warned = new Set<string>();
+
+  constructor(
+    private readonly d: NodeDeps,
+    private readonly pool: Pool,
+    private readonly keys: KeyLocks,
+    runner: Runner,
+    private readonly log: Logger,
+  ) {
+    this.x = bindExec(runner, { log: log.child({ component: 'fence' }) });
+  }
+
+  /** Loads this boot's fences (never rewriting an unreadable record) and writes a first heartbeat. */
+  async prepare(): Promise<void> {
+    this.fenced = await this.d.nodes.fenced(this.d.nodeId, this.d.bootId);
+    if (this.fenced === 'unreadable') {
+      this.log.error(
+        { file: this.pool.layout.nodeFenced(this.d.nodeId) },
+        'the record of fenced filesystems cannot be read: no filesystem of this pool is thawed on this node until it is repaired',
+      );
+    } else {
+      await this.d.nodes.setFenced(this.d.nodeId, this.fenced); // an earlier boot's entries are gone
+    }
+    await this.d.nodes.heartbeat(this.d.nodeId);
+  }
+
+  isFenced(loop: LoopDevice): boolean {
+    return isFencedIn(this.fenced, loop);
+  }
+
+  run(): void {
+    if (this.stopped) return;
+    this.timer = setTimeout(() => {
+      this.running = this.round()
+        .catch((err: unknown) => {
+          this.log.warn({ err }, 'the heartbeat or the fence round failed; trying again');
+        })
+        .finally(() => {
+          this.running = undefined;
+          this.run();
+        });
+    }, HEARTBEAT_MS);
+    this.timer.unref();
+  }
+
+  async stop(): Promise<void> {
+    this.stopped = true;
+    if (this.timer) clearTimeout(this.timer);
+    await this.running;
+  }
+
+  /** Heartbeat, then settle every volume taken from this node. */
+  async round(): Promise<void> {
+    await this.d.nodes.heartbeat(this.d.nodeId);
+    for (const id of await this.d.nodes.revocations(this.d.nodeId)) {
+      await this.settle(id).catch((err: unknown) => {
+        this.log.error({ volumeId: id, err }, 'could not settle a volume taken from this node; trying again');
+      });
+    }
+  }
+
+  /** Fences (or confirms at once) one volume taken from this node, holding its key meanwhile. */
+  async settle(id: string): Promise<void> {
+    const release = this.keys.tryAcquire([nodeKey(id)], 'fence');
+    if (typeof release !== 'function') return; // a call or a freeze is at work on it: next round
+    try {
+      const mine = (await this.d.volumes.leases(id)).find((l) => l.node === this.d.nodeId);
+      if (mine?.revokedAt === undefined || mine.fencedAt !== undefined) {
+        await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false); // settled already
+        return;
+      }
+      const on = await lookAtHost(this.d, this.x, id);
+      const others = await othersLoops(this.d, on);
+      const loops = on.loops.filter((l) => !others.has(l.name));
+      if (!mine.readonly && mine.accessType === 'block' && loops.some((l) => !l.readOnly)) {
+        if (!this.warned.has(id)) {
+          this.warned.add(id);
+          this.log.error(
+            { volumeId: id },
+            'a raw block volume was taken from this node while attached for writing; it cannot be frozen, so it stays held until this node unstages it',
+          );
+        }
+        return;
+      }
+      // Fenced by this node's own record: an unreadable record proves nothing here (every filesystem
+      // writable is frozen again, and nothing is confirmed until the record is repaired).
+      const recorded = (l: LoopDevice): boolean => this.fenced !== 'unreadable' && isFencedIn(this.fenced, l);
+      let froze = 0;
+      for (const loop of loops) {
+        if (recorded(loop)) continue;
+        const writable = on.mounts.find(
+          (m) => !isDeviceBind(m) && !m.superOptions.includes('ro') && loopOfMount(m, [loop]),
+        );
+        if (!writable) continue;
+        // Our own freeze, or none: a filesystem frozen by someone else says busy, and is frozen by
+        // this node once they thaw it.
+        await this.d.host.freeze(this.x, writable.mountPoint);
+        if (this.fenced === 'unreadable') throw new Error('the record of fenced filesystems cannot be read');
+        const entry: FencedEntry = {
+          volumeId: id,
+          device: loop.path,
+          backingDev: loop.backing?.dev ?? '',
+          backingIno: loop.backing?.ino ?? '',
+          bootId: this.d.bootId,
+          at: new Date().toISOString(),
+        };
+        this.fenced = [...this.fenced, entry];
+        await this.d.nodes.setFenced(this.d.nodeId, this.fenced);
+        froze++;
+        this.log.error(
+          { volumeId: id, device: loop.path, mountPoint: writable.mountPoint },
+          'a volume was taken from this node while mounted for writing: froze its filesystem for good (reboot the node to release it)',
+        );
+      }
+      const how =
+        froze > 0 || loops.some(recorded)
+          ? 'froze its filesystem for good'
+          : 'nothing of it was writable here';
+      await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
+      await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false);
+    } finally {
+      release();
+    }
+  }
+}
+
+/**
+ * Thaws the filesystems of this node's own volumes (a lease of this node not yet confirmed as fenced,
+ * its staging device) mounted on this host. A plugin killed while it held a freeze for a copy would leave applications
+ * blocked forever; the next start ends that. Fences, other nodes' devices, other pools' volumes and
+ * anything when the fence record cannot be read are left alone.
+ */
+export async function thawLeftovers(d: NodeDeps, x: Exec, guard: FenceGuard): Promise<number> {
+  const loops = await d.host.loops(x, (l) => backingName(l) === IMAGE_FILE);
+  const mounts = await d.host.mounts();
+  let thawed = 0;
+  for (const loop of loops) {
+    const id = volumeIdShown(loop);
+    if (!id || guard.isFenced(loop) || !(await isThisPoolsVolume(d, loop, id))) continue;
+    // This node's lease, revoked or not: a volume taken from this node is not fenced until the guard
+    // freezes it, which it cannot do to a filesystem still frozen by a predecessor (EBUSY). One it has
+    // confirmed is never thawed (another node may use it now).
+    const lease = (await d.volumes.leases(id)).find((l) => l.node === d.nodeId);
+    if (
+      !lease ||
+      lease.fencedAt !== undefined ||
+      stagingLoop(
+        loops.filter((l) => l.name === loop.name),
+        lease,
+        mounts,
+      )?.name !== loop.name
+    )
+      continue;
+    try {
+      if (await d.host.thawDevice(detached(x), loop.path, mounts)) {
+        thawed++;
+        x.log.warn({ device: loop.path }, 'thawed a filesystem left frozen by an earlier run');
+      }
+    } catch (err) {
+      x.log.error({ device: loop.path, err }, 'could not thaw a filesystem at start');
+    }
+  }
+  return thawed;
+}
+
+/** The volume id the sysfs path of a loop device's backing file names, if it names one. */
+export function volumeIdShown(l: LoopDevice): string | undefined {
+  return /\/(vol-[0-9a-f]{32})(\.[^/]*)?\/disk\.img( \(deleted\))?$/.exec(l.backingFile)?.[1];
+}

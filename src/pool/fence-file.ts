@@ -1,0 +1,62 @@
+/**
+ * The format of volumes/<id>/fences.json, and pure changes to it.
+ */
+import { isRecord } from './fsutil.js';
+import { type Attachment, type Lease, parseAttachment, parseLease } from './types.js';
+
+/**
+ * volumes/<id>/fences.json: every node's attachment and lease in one file. One file that always has
+ * the same name is read fresh at every open on a network filesystem (close-to-open), where a listing
+ * of a directory of per-node files can be served from a client's cache for a minute.
+ */
+export interface FenceFile {
+  attachments: Record<string, Attachment>;
+  leases: Record<string, Lease>;
+  /** Leases of nodes the volume was detached from while staged (see unpublish). */
+  revoked: Record<string, Lease>;
+}
+
+export const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
+  Object.fromEntries(Object.entries(r).filter(([k]) => !keys.has(k)));
+
+export function parseFenceFile(v: unknown): FenceFile | undefined {
+  if (!isRecord(v) || !isRecord(v.attachments) || !isRecord(v.leases)) return undefined;
+  if (v.revoked !== undefined && !isRecord(v.revoked)) return undefined;
+  const attachments: Record<string, Attachment> = {};
+  const leases: Record<string, Lease> = {};
+  const revoked: Record<string, Lease> = {};
+  for (const [node, l] of Object.entries(v.revoked ?? {})) {
+    const parsed = parseLease(l);
+    if (!parsed || parsed.node !== node || parsed.revokedAt === undefined) return undefined;
+    revoked[node] = parsed;
+  }
+  for (const [node, a] of Object.entries(v.attachments)) {
+    const parsed = parseAttachment(a);
+    if (!parsed || parsed.node !== node) return undefined;
+    attachments[node] = parsed;
+  }
+  for (const [node, l] of Object.entries(v.leases)) {
+    const parsed = parseLease(l);
+    if (!parsed || parsed.node !== node) return undefined;
+    leases[node] = parsed;
+  }
+  return { attachments, leases, revoked };
+}
+
+export function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {
+  return `${a.accessType} access, ${a.mode}${a.readonly ? ', read-only' : ''}`;
+}
+
+/** `revoked` with the leases of `nodes` marked released, saying `how` and when. */
+export function letGo(
+  revoked: Record<string, Lease>,
+  nodes: readonly string[],
+  how: string,
+): Record<string, Lease> {
+  const out = { ...revoked };
+  for (const n of nodes) {
+    const l = out[n];
+    if (l && l.fencedAt === undefined) out[n] = { ...l, fencedAt: `${how} at ${new Date().toISOString()}` };
+  }
+  return out;
+}

@@ -1,0 +1,265 @@
+/**
+ * The node's side of fencing (node/fence.ts) and of freezes for copies (node/quiesce.ts), against the
+ * in-memory kernel and a real pool: when a volume taken from this node is confirmed (and only then),
+ * that a fence is never thawed, that a filesystem frozen by someone else is neither claimed nor thawed,
+ * and that a freeze for a copy always ends.
+ */
+import fs from 'node:fs/promises';
+import { afterAll, describe, expect, it } from 'vitest';
+import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
+import { QuiesceAgent } from '../../src/node/quiesce.js';
+import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
+import { InFlight } from '../../src/server/inflight.js';
+import { commandError, FakeHost } from '../helpers/fake-host.js';
+import {
+  codeOf,
+  log,
+  newVolume,
+  NODE,
+  noCommands,
+  publish,
+  removeWorlds,
+  stage,
+  unpublish,
+  unstage,
+  type World,
+  world,
+} from '../helpers/node-world.js';
+
+afterAll(removeWorlds);
+
+const BUSY = commandError('fsfreeze', 'fsfreeze: /x: freeze failed: Device or resource busy');
+const block = { accessType: 'block' as const, fsType: '' };
+
+/** A volume staged and published on NODE, then force-detached from it by the controller. */
+async function takenFromNode(over = {}) {
+  const w = await world();
+  const { id } = await newVolume(w);
+  await stage(w, id, over);
+  await publish(w, id, over);
+  await w.volumes.unpublish(id, NODE);
+  return { w, id };
+}
+
+const guardOf = (w: World, keys = new InFlight()): FenceGuard =>
+  new FenceGuard(w.d, w.pool, keys, noCommands, log);
+
+/** NODE's revoked lease on `id`. */
+async function revoked(w: World, id: string) {
+  const l = (await w.volumes.leases(id)).find((x) => x.node === NODE);
+  expect(l?.revokedAt).toBeDefined();
+  return l;
+}
+
+describe('the fence guard', () => {
+  it('freezes a writable mount of a volume taken from this node, records it, then confirms', async () => {
+    const { w, id } = await takenFromNode();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.ops.filter((o) => /^(freeze|thaw)/.test(o))).toHaveLength(1);
+    expect(w.host.ops.find((o) => o.startsWith('freeze'))).toMatch(/^freeze /);
+    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/^node node-a froze its filesystem for good at /);
+    expect(await w.d.nodes.revocations(NODE)).toEqual([]);
+    const record = await w.d.nodes.fenced(NODE, w.d.bootId);
+    expect(record).toMatchObject([{ volumeId: id, device: '/dev/loop0', bootId: w.d.bootId }]);
+    // Never thawed: not by the kubelet's teardown, not by a plugin that restarts in the same boot.
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('FAILED_PRECONDITION');
+    const again = guardOf(w);
+    await again.prepare();
+    expect(await thawLeftovers(w.d, w.x, again)).toBe(0);
+    expect(w.host.ops.some((o) => o.startsWith('thaw'))).toBe(false);
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+  });
+
+  it('confirms at once when nothing of the volume is writable here (the node rebooted)', async () => {
+    const { w, id } = await takenFromNode();
+    const rebooted = { ...w, d: { ...w.d, host: new FakeHost(), bootId: 'next-boot' } };
+    const guard = guardOf(rebooted);
+    await guard.prepare();
+    await guard.round();
+    expect(rebooted.d.host instanceof FakeHost && rebooted.d.host.ops).toEqual([]);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/nothing of it was writable here/);
+    expect(await w.d.nodes.revocations(NODE)).toEqual([]);
+  });
+
+  it('neither claims nor thaws a filesystem frozen by someone else, and fences it once they thaw it', async () => {
+    const { w, id } = await takenFromNode();
+    const guard = guardOf(w);
+    await guard.prepare();
+    w.host.failNext('freeze', BUSY);
+    await guard.round();
+    expect(w.host.ops.filter((o) => /^(freeze|thaw)/.test(o))).toEqual([
+      expect.stringMatching(/\(failed\)$/),
+    ]);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toEqual([]);
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+  });
+
+  it('waits while a call on the volume holds its key', async () => {
+    const { w, id } = await takenFromNode();
+    const keys = new InFlight();
+    const guard = guardOf(w, keys);
+    await guard.prepare();
+    const call = keys.tryAcquire([nodeKey(id)], 'NodeUnstageVolume');
+    if (typeof call !== 'function') throw new Error('the key was busy');
+    await guard.round();
+    expect(w.host.ops.some((o) => o.startsWith('freeze'))).toBe(false);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    call();
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze/);
+  });
+
+  it('holds a raw block volume attached for writing until this node unstages it', async () => {
+    const { w, id } = await takenFromNode(block);
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.ops.some((o) => o.startsWith('freeze'))).toBe(false);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('OK');
+    await guard.round();
+    const mine = (await w.volumes.leases(id)).find((l) => l.node === NODE);
+    expect(mine === undefined || mine.fencedAt !== undefined).toBe(true);
+    expect(await w.d.nodes.revocations(NODE)).toEqual([]);
+  });
+
+  it('with an unreadable record of fences thaws nothing at start, and fences without confirming', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    w.host.frozen.add('/dev/loop0'); // left frozen by an earlier run
+    const file = w.pool.layout.nodeFenced(NODE);
+    await fs.writeFile(file, '{ torn');
+    const guard = guardOf(w);
+    await guard.prepare();
+    expect(await thawLeftovers(w.d, w.x, guard)).toBe(0);
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    expect(await fs.readFile(file, 'utf8')).toBe('{ torn');
+    w.host.frozen.delete('/dev/loop0');
+    await w.volumes.unpublish(id, NODE);
+    await guard.round();
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+  });
+
+  it('thaws at start what a killed run left frozen, also on a volume taken from this node but not yet fenced', async () => {
+    const w = await world();
+    const live = await newVolume(w);
+    await stage(w, live.id);
+    w.host.frozen.add('/dev/loop0');
+    const guard = guardOf(w);
+    await guard.prepare();
+    expect(await thawLeftovers(w.d, w.x, guard)).toBe(1);
+    expect(w.host.frozen.size).toBe(0);
+    await w.volumes.unpublish(live.id, NODE);
+    w.host.frozen.add('/dev/loop0');
+    expect(await thawLeftovers(w.d, w.x, guard)).toBe(1);
+    await guard.round(); // then fenced: frozen by this node, for good
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    expect((await revoked(w, live.id))?.fencedAt).toMatch(/froze/);
+  });
+});
+
+/** A freeze agent on `w` with its guard, and a board to post requests on. */
+async function agentOf(w: World, keys = new InFlight()) {
+  const guard: Guard = guardOf(w, keys);
+  await guard.prepare();
+  const board = new QuiesceBoard(w.pool);
+  const agent = new QuiesceAgent(w.d, board, keys, guard, noCommands, log);
+  await agent.prepare();
+  /** Ticks until the node answered `r` (the freeze runs beside the loop). */
+  const answered = async (r: QuiesceRequest) => {
+    for (let i = 0; i < 200; i++) {
+      await agent.tick();
+      const a = await board.answer(NODE, r);
+      if (a) return a;
+      await new Promise((res) => setTimeout(res, 5));
+    }
+    throw new Error('no answer');
+  };
+  return { guard, board, agent, answered, keys };
+}
+
+describe('freezes for copies', () => {
+  it('never thaws a filesystem someone else froze (the freeze says busy)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    w.host.failNext('freeze', BUSY);
+    expect(await answered(r)).toMatchObject({ state: 'failed', message: /frozen by someone else/ });
+    await agent.stop();
+    expect(w.host.ops.some((o) => o.startsWith('thaw'))).toBe(false);
+  });
+
+  it('thaws when its time is up even if the answer cannot be written', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 50, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    board.writeAnswers = () => Promise.reject(new Error('ENOSPC'));
+    await new Promise((res) => setTimeout(res, 80));
+    await agent.tick();
+    expect(w.host.frozen.has('/dev/loop0')).toBe(false);
+    await agent.stop();
+  });
+
+  it('keeps the volume (no unstage) and thaws again until a failed thaw succeeds', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const keys = new InFlight();
+    const { board, agent, answered } = await agentOf(w, keys);
+    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    await board.withdraw(NODE, r);
+    w.host.failNext('thaw');
+    await agent.tick();
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    expect(typeof keys.tryAcquire([nodeKey(id)], 'NodeUnstageVolume')).toBe('object');
+    await agent.tick();
+    expect(w.host.frozen.has('/dev/loop0')).toBe(false);
+    const got = keys.tryAcquire([nodeKey(id)], 'NodeUnstageVolume');
+    expect(typeof got).toBe('function');
+    if (typeof got === 'function') got();
+    await agent.stop();
+  });
+
+  it('holds fencing off while it holds the volume, which is fenced once the copy is done', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    const { board, agent, answered, guard } = await agentOf(w);
+    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    await w.volumes.unpublish(id, NODE);
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    await board.withdraw(NODE, r);
+    await agent.tick();
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze/);
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+    await agent.stop(); // stopping thaws its own freezes, never a fence
+    expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+  });
+});
