@@ -16,12 +16,14 @@ import { controllerService } from './csi/controller.js';
 import { groupService } from './csi/group.js';
 import { identityService } from './csi/identity.js';
 import { nodeService, POOL_ID_KEY } from './csi/node.js';
+import { snapshotMetadataRefusing, snapshotMetadataService } from './csi/snapshot-metadata.js';
 import { failedPrecondition } from './errors.js';
 import { bindExec, type Exec, ExecRunner, type Runner } from './exec/runner.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
 import type { GroupControllerHandlers } from './gen/csi/v1/GroupController.js';
 import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
+import type { SnapshotMetadataHandlers } from './gen/csi/v1/SnapshotMetadata.js';
 import { type PoolState, Readiness } from './health.js';
 import { kernelHost, loopsBackedBy } from './host/host.js';
 import { Metrics, serveMetrics } from './metrics.js';
@@ -32,12 +34,14 @@ import { Capacity } from './pool/capacity.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool, PoolMissing } from './pool/pool.js';
 import { QuiesceBoard } from './pool/quiesce.js';
+import { SnapshotMetadataReader } from './pool/snapshot-metadata.js';
 import { SnapshotStore } from './pool/snapshots.js';
 import { VolumeStore } from './pool/volumes.js';
 import { buildService, type CallDeps, method, type Methods } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { csiProto } from './server/proto.js';
 import { listen, stop } from './server/server.js';
+import { buildStreamingService, type StreamMethods } from './server/stream.js';
 import { driverVersion } from './version.js';
 
 /** A scope for work the driver does on its own behalf (startup), outside any RPC. */
@@ -65,6 +69,7 @@ interface Serving {
   controller: Methods<ControllerHandlers>;
   group: Methods<GroupControllerHandlers>;
   node: Methods<NodeHandlers>;
+  metadata: StreamMethods<SnapshotMetadataHandlers>;
   agent: QuiesceAgent | undefined;
   guard: FenceGuard | undefined;
 }
@@ -83,7 +88,15 @@ async function serve(
   const snapshots = new SnapshotStore(pool, log);
   const board = new QuiesceBoard(pool);
   const startup = startupContext(log, runner);
-  const out: Serving = { pool, controller: {}, group: {}, node: {}, agent: undefined, guard: undefined };
+  const out: Serving = {
+    pool,
+    controller: {},
+    group: {},
+    node: {},
+    metadata: {},
+    agent: undefined,
+    guard: undefined,
+  };
   const quarantined = await pool.quarantined();
   if (quarantined.length > 0) {
     log.warn(
@@ -106,6 +119,7 @@ async function serve(
     };
     out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
     out.group = groupService({ ...copy, snapshots });
+    out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });
   }
   if (servesNode(config)) {
     const nodeId = config.nodeId;
@@ -229,6 +243,16 @@ export async function startDriver(
         'GroupController',
         proto.GroupController.service,
         () => serving?.group ?? waitingGroup,
+        deps,
+      ),
+    );
+    const waitingMetadata = snapshotMetadataRefusing(why);
+    server.addService(
+      proto.SnapshotMetadata.service,
+      buildStreamingService<SnapshotMetadataHandlers>(
+        'SnapshotMetadata',
+        proto.SnapshotMetadata.service,
+        () => serving?.metadata ?? waitingMetadata,
         deps,
       ),
     );

@@ -19,6 +19,7 @@ export function pluginCapabilities(config: Pick<Config, 'mode'>): GetPluginCapab
   if (servesController(config)) {
     caps.push({ service: { type: 'CONTROLLER_SERVICE' } });
     caps.push({ service: { type: 'GROUP_CONTROLLER_SERVICE' } });
+    caps.push({ service: { type: 'SNAPSHOT_METADATA_SERVICE' } });
   }
   caps.push({ service: { type: 'VOLUME_ACCESSIBILITY_CONSTRAINTS' } });
   caps.push({ volume_expansion: { type: 'ONLINE' } });

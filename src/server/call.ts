@@ -67,7 +67,7 @@ export interface CallDeps {
 
 type UnaryHandler<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
-function subjectOf(request: unknown): Record<string, string> {
+export function subjectOf(request: unknown): Record<string, string> {
   if (typeof request !== 'object' || request === null) return {};
   const r = request as Record<string, unknown>;
   const out: Record<string, string> = {};
@@ -76,6 +76,8 @@ function subjectOf(request: unknown): Record<string, string> {
     'snapshot_id',
     'source_volume_id',
     'group_snapshot_id',
+    'base_snapshot_id',
+    'target_snapshot_id',
     'node_id',
     'name',
   ]) {
@@ -85,7 +87,7 @@ function subjectOf(request: unknown): Record<string, string> {
   return out;
 }
 
-function causeChain(err: unknown): unknown[] {
+export function causeChain(err: unknown): unknown[] {
   const out: unknown[] = [];
   let cur: unknown = err;
   for (let i = 0; i < 5 && cur !== undefined; i++) {
