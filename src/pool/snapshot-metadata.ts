@@ -106,12 +106,12 @@ export class SnapshotMetadataReader {
   ): AsyncGenerator<Range> {
     let method = await this.deltaMethod();
     if (method === 'extents') {
+      stats.method = 'extents';
       try {
         for await (const r of this.byExtents(x, base, target, from)) {
           stats.ranges++;
           yield r;
         }
-        stats.method = 'extents';
         return;
       } catch (err) {
         // A filesystem without FIEMAP says so at once, before any range: compare contents instead.

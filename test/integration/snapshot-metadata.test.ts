@@ -210,9 +210,23 @@ describe.skipIf(!isRoot()).each([
     await fs.truncate(rebuilt, size);
     await copyRanges(aImage, rebuilt, alloc.tuples);
     expect(await sha256(rebuilt)).toBe(await sha256(aImage));
+    expect(await sha256(rebuilt)).not.toBe(await sha256(bImage)); // the delta has work to do
+    expect(changed.tuples.length).toBeGreaterThan(0);
     await copyRanges(bImage, rebuilt, changed.tuples);
     expect(await sha256(rebuilt)).toBe(await sha256(bImage));
     await fs.rm(rebuilt);
+
+    // The method the pool allows, as the call's log line says: extent maps alone (no data read) where
+    // extents are shared, contents elsewhere.
+    const logged = await d.waitForLog((l) => l.includes('"GetMetadataDelta"') && l.includes(bId));
+    expect(logged).toBe(true);
+    const line = d
+      .logs()
+      .filter((l) => l.includes('"GetMetadataDelta"') && l.includes(bId))
+      .map((l) => JSON.parse(l) as { via?: string; bytesRead?: number; code?: string })
+      .at(-1);
+    expect(line).toMatchObject({ code: 'OK', via: reflink ? 'extents' : 'contents' });
+    if (reflink) expect(line?.bytesRead).toBe(0);
 
     // Precision: on a reflink pool, the delta is the blocks written or discarded between A and B
     // (rounded out to 4 KiB blocks), plus at most SLACK.
