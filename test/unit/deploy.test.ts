@@ -77,6 +77,7 @@ const KNOWN_KINDS = new Set([
   'PersistentVolumeClaim',
   'Pod',
   'VolumeSnapshot',
+  'Service',
 ]);
 
 async function loadDocs(file: string): Promise<Obj[]> {
@@ -108,9 +109,13 @@ async function render(dir: string): Promise<Rendered> {
       docs.push(...(await loadDocs(p)));
     }
   }
+  // Components in order, each on what came before: its resources, its patches, its images.
   for (const c of (k.components as string[] | undefined) ?? []) {
     const [comp] = await loadDocs(path.join(dir, c, 'kustomization.yaml'));
     expect(comp?.kind).toBe('Component');
+    for (const r of (comp?.resources as string[] | undefined) ?? [])
+      docs.push(...(await loadDocs(path.join(dir, c, r))));
+    applyPatches(docs, comp?.patches);
     for (const i of (comp?.images as { name: string; newName?: string; newTag?: string }[] | undefined) ?? [])
       images.set(i.name, i);
   }
@@ -121,7 +126,13 @@ async function render(dir: string): Promise<Rendered> {
     }
     if (typeof k.namespace === 'string' && !CLUSTER_SCOPED.has(d.kind)) d.metadata.namespace = k.namespace;
   }
-  for (const p of (k.patches as { target: { kind: string; name: string }; patch: string }[] | undefined) ??
+  applyPatches(docs, k.patches);
+  return { docs, images };
+}
+
+/** JSON6902 patches: `replace` of a field that exists, `add` of an array's new last element ("/-"). */
+function applyPatches(docs: Obj[], patches: unknown): void {
+  for (const p of (patches as { target: { kind: string; name: string }; patch: string }[] | undefined) ??
     []) {
     const ops = (parseAllDocuments(p.patch)[0]?.toJS() ?? []) as {
       op: string;
@@ -130,17 +141,21 @@ async function render(dir: string): Promise<Rendered> {
     }[];
     for (const d of docs.filter((x) => x.kind === p.target.kind && x.metadata.name === p.target.name)) {
       for (const op of ops) {
-        expect(op.op).toBe('replace');
+        expect(['replace', 'add']).toContain(op.op);
         const keys = op.path.split('/').slice(1);
         let at: Record<string, unknown> = d;
         for (const key of keys.slice(0, -1)) at = at[key] as Record<string, unknown>;
         const last = keys.at(-1) ?? '';
+        if (op.op === 'add') {
+          expect(Array.isArray(at) && last === '-', `${op.path}: add appends to an array`).toBe(true);
+          (at as unknown as unknown[]).push(op.value);
+          continue;
+        }
         expect(last in at, `${op.path} exists in ${d.kind}/${d.metadata.name}`).toBe(true);
         at[last] = op.value;
       }
     }
   }
-  return { docs, images };
 }
 
 function podSpec(d: Obj): PodSpec | undefined {
@@ -260,6 +275,23 @@ const SIDECARS: Record<string, Sidecar> = {
   'csi-node-driver-registrar': { repo: 'kubernetes-csi/node-driver-registrar', tag: 'v2.17.0', rules: [] },
   // It talks only to the CSI socket (cmd/livenessprobe/main.go makes no Kubernetes client).
   livenessprobe: { repo: 'kubernetes-csi/livenessprobe', tag: 'v2.19.0', rules: [] },
+  'csi-snapshot-metadata': {
+    repo: 'kubernetes-csi/external-snapshot-metadata',
+    tag: 'v1.1.0',
+    source: 'deploy/snapshot-metadata-cluster-role.yaml, ClusterRole external-snapshot-metadata-runner',
+    role: 'loopvol-external-snapshot-metadata',
+    rules: [
+      [
+        'cbt.storage.k8s.io',
+        'snapshotmetadataservices',
+        ['get', 'list', 'watch', 'create', 'update', 'patch', 'delete'],
+      ],
+      ['authentication.k8s.io', 'tokenreviews', ['create', 'get']],
+      ['authorization.k8s.io', 'subjectaccessreviews', ['create', 'get']],
+      ['snapshot.storage.k8s.io', 'volumesnapshots', ['get', 'list']],
+      ['snapshot.storage.k8s.io', 'volumesnapshotcontents', ['get', 'list']],
+    ],
+  },
 };
 
 /**
@@ -323,7 +355,7 @@ function granted(r: Rendered, sa: string, namespace: string): Set<string> {
   return out;
 }
 
-const VARIANTS = ['shared', 'local'];
+const VARIANTS = ['shared', 'local', 'snapshot-metadata'];
 let help = '';
 const rendered = new Map<string, Rendered>();
 
@@ -653,9 +685,12 @@ describe('the variants', () => {
   it('have one ClusterRole per sidecar that uses the API, holding exactly its upstream rules', () => {
     for (const v of VARIANTS) {
       const r = variant(v);
+      const deployed = new Set(workloads(r).flatMap(({ spec }) => spec.containers.map(sidecarOf)));
       for (const [name, s] of Object.entries(SIDECARS)) {
         if (!s.role) continue;
         const role = r.docs.find((d) => d.kind === 'ClusterRole' && d.metadata.name === s.role);
+        // A sidecar only some variants deploy (csi-snapshot-metadata) has its role only there.
+        if (!role && !deployed.has(name) && name === 'csi-snapshot-metadata') continue;
         if (!role) throw new Error(`${v}: no ClusterRole ${s.role} for ${name}`);
         const have = (
           (role.rules ?? []) as { apiGroups: string[]; resources: string[]; verbs: string[] }[]
@@ -804,5 +839,39 @@ describe('the Dockerfile', () => {
       expect(pkg, `the Dockerfile test knows where ${tool} comes from`).toBeDefined();
       if (pkg !== 'coreutils') expect(installed, tool).toContain(pkg);
     }
+  });
+});
+
+describe('changed block tracking (the snapshot-metadata variant)', () => {
+  it('runs the sidecar beside the controller on its TLS secret, reached through the Service the SnapshotMetadataService names', async () => {
+    const r = variant('snapshot-metadata');
+    const controller = workloads(r).find(({ d }) => d.kind === 'Deployment');
+    const sidecar = controller?.spec.containers.find((c) => c.name === 'csi-snapshot-metadata');
+    if (!controller || !sidecar) throw new Error('no csi-snapshot-metadata in the controller');
+    expect(sidecar.args).toEqual(
+      expect.arrayContaining(['--tls-cert=/tls/tls.crt', '--tls-key=/tls/tls.key', '--port=50051']),
+    );
+    const tls = resolve(sidecar, '/tls/tls.crt');
+    const secret = controller.spec.volumes?.find((vol) => vol.name === tls?.volume) as
+      { secret?: { secretName: string } } | undefined;
+    expect(secret?.secret?.secretName).toBe('loopvol-snapshot-metadata-tls');
+    const service = r.docs.find((d) => d.kind === 'Service') as
+      | (Obj & { spec: { selector: Record<string, string>; ports: { port: number; targetPort: string }[] } })
+      | undefined;
+    const labels = (controller.d.spec as { template: { metadata: { labels: Record<string, string> } } })
+      .template.metadata.labels;
+    expect(labels).toMatchObject(service?.spec.selector ?? { missing: true });
+    const grpcPort = sidecar.ports?.find((p) => p.name === service?.spec.ports[0]?.targetPort);
+    expect(grpcPort?.containerPort).toBe(50051);
+    const [sms] = await loadDocs(path.join(DEPLOY, 'snapshot-metadata', 'snapshotmetadataservice.yaml'));
+    expect(sms).toMatchObject({ kind: 'SnapshotMetadataService', metadata: { name: DRIVER } });
+    expect((sms?.spec as { address: string }).address).toBe(
+      `${service?.metadata.name ?? ''}.${service?.metadata.namespace ?? ''}:${service?.spec.ports[0]?.port ?? 0}`,
+    );
+    // The other variants are unchanged: no sidecar that would wait for a secret nobody made.
+    for (const v of ['shared', 'local'])
+      expect(workloads(variant(v)).flatMap(({ spec }) => spec.containers.map((c) => c.name))).not.toContain(
+        'csi-snapshot-metadata',
+      );
   });
 });
