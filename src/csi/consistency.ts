@@ -137,6 +137,7 @@ async function copyHeld<T>(
         const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
           allowCopy,
           signal,
+          purpose: ctx.method === 'CreateVolume' ? 'clone' : 'snapshot',
           ...(frozen ? { timeoutMs: left } : {}),
         });
         if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);

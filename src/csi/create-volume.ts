@@ -250,6 +250,7 @@ export function createVolumeMethod(
             const res = await copyImage(ctx, snapshots.imagePath(v.source?.id ?? ''), image, {
               allowCopy: true,
               signal: lock.signal,
+              purpose: 'restore',
             });
             ctx.log.info({ snapshot: v.source?.id, how: res.method }, 'restored snapshot image');
           });

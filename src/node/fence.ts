@@ -21,6 +21,7 @@ import type { Logger } from '../log.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import { type FencedEntry, HEARTBEAT_MS } from '../pool/nodes.js';
 import type { Pool } from '../pool/pool.js';
+import { telemetry } from '../telemetry.js';
 import {
   isDeviceBind,
   isFencedIn,
@@ -152,6 +153,7 @@ export class FenceGuard {
           bootId: this.d.bootId,
           at: new Date().toISOString(),
         };
+        telemetry.froze('fence');
         this.fenced = [...this.fenced, entry];
         await this.d.nodes.setFenced(this.d.nodeId, this.fenced);
         froze++;

@@ -13,6 +13,7 @@ import { bindExec, CommandError, detached, type Exec, type Runner } from '../exe
 import type { Logger } from '../log.js';
 import type { LoopDevice } from '../host/host.js';
 import type { AnswerState, QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
+import { telemetry } from '../telemetry.js';
 import { type FenceGuard, type KeyLocks, nodeKey } from './fence.js';
 import { isDeviceBind, loopOfMount, lookAtHost, type NodeDeps, othersLoops, stagingLoop } from './on-host.js';
 
@@ -240,6 +241,7 @@ export class QuiesceAgent {
         );
       }
       this.frozen.set(r.requestId, frozen);
+      telemetry.froze('copy');
       this.log.info(
         { volumeId: r.volumeId, by: r.by, purpose: r.purpose, ttlMs: r.ttlMs },
         'froze a filesystem for a copy',
@@ -277,6 +279,7 @@ export class QuiesceAgent {
     }
     this.stuck.delete(f.device);
     f.release();
+    if (state !== 'failed') telemetry.thawed((performance.now() - f.at) / 1000);
     if (state === 'thawed') {
       this.answers.set(f.request.requestId, { volumeId: f.request.volumeId, state, message: 'thawed' });
       this.dirty = true;

@@ -10,6 +10,7 @@ import path from 'node:path';
 import type { Logger } from 'pino';
 import { busy, errnoCode, unavailable, unsafe } from '../errors.js';
 import { failpoint } from '../failpoints.js';
+import { telemetry } from '../telemetry.js';
 import {
   createExclusive,
   exists,
@@ -51,6 +52,11 @@ export interface OpenOptions {
   /** Create a pool when there is none (default true). */
   create?: boolean;
   lock?: LockOptions;
+  /**
+   * Open an existing pool only to look at it and act as an operator would (the `loopvol` commands):
+   * nothing is created, no id is given, and the trash is not swept (it is reported instead).
+   */
+  inspect?: boolean;
 }
 
 async function formatProblem(layout: PoolLayout): Promise<string | undefined> {
@@ -144,7 +150,7 @@ export class Pool {
     options: OpenOptions,
   ): Promise<Pool> {
     const layout0 = new PoolLayout(dir);
-    if (options.create === false) {
+    if (options.create === false || options.inspect === true) {
       if (!(await exists(layout0.formatFile))) {
         throw new PoolMissing(
           `There is no pool at ${dir} (no pool.json): is the shared filesystem mounted there? Create a pool once with: loopvol create-pool --pool-dir=${dir}`,
@@ -155,6 +161,13 @@ export class Pool {
     }
     const root = await fs.realpath(dir);
     const layout = new PoolLayout(root);
+    if (options.inspect === true) {
+      const problem = await formatProblem(layout);
+      if (problem) throw new PoolError(problem);
+      const info = await readJson(layout.formatFile);
+      const id = isRecord(info) && typeof info.id === 'string' ? info.id : '';
+      return new Pool(root, id, name, log, options.lock ?? {});
+    }
     if (options.create !== false) {
       // The format file first: whoever creates it (link(2), so one process wins) names the pool.
       const created = await createExclusive(
@@ -235,6 +248,7 @@ export class Pool {
     fn: (lock: HeldLock) => Promise<T>,
     waitMs = LOCK_WAIT_MS,
   ): Promise<T> {
+    const started = performance.now();
     const deadline = Date.now() + waitMs;
     let got = await this.locks.tryAcquire(key, purpose).catch(async (err: unknown) => {
       // No locks/ directory: the pool itself may be gone (an unmounted shared filesystem). Say so.
@@ -245,6 +259,7 @@ export class Pool {
       await new Promise((r) => setTimeout(r, pause + Math.random() * pause));
       got = await this.locks.tryAcquire(key, purpose);
     }
+    telemetry.lockWaited((performance.now() - started) / 1000, isHeld(got));
     if (!isHeld(got)) throw busy(`${key} is being changed by ${got.holder}; retry later.`);
     try {
       return await fn(got);
