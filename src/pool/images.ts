@@ -8,11 +8,14 @@ import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import { conflict, errnoCode, invalid } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
+import { type CopyPurpose, telemetry } from '../telemetry.js';
 
 export type CopyMethod = 'reflink' | 'sparse-copy';
 
 /** Copies can be long; they run to the end even when the RPC that started them is cancelled. */
 const COPY_TIMEOUT_MS = 6 * 60 * 60 * 1000;
+/** How often a byte copy logs how far it got. */
+const COPY_PROGRESS_MS = 10_000;
 
 async function syncFile(file: string): Promise<void> {
   const handle = await fs.open(file, 'r+');
@@ -82,6 +85,10 @@ export interface CopyOptions {
   signal?: AbortSignal;
   /** Upper bound for a byte copy. */
   timeoutMs?: number;
+  /** What the copy is for (the copy metrics' label). */
+  purpose?: CopyPurpose;
+  /** How often a byte copy logs its progress (default 10 s). */
+  progressMs?: number;
 }
 
 export interface CopyResult {
@@ -97,6 +104,12 @@ export interface CopyResult {
  * retry would redo it), unless `signal` stops it.
  */
 export async function copyImage(x: Exec, src: string, dst: string, opts: CopyOptions): Promise<CopyResult> {
+  const result = await copyImageOnce(x, src, dst, opts);
+  telemetry.copied(opts.purpose ?? 'snapshot', result.method, result.bytes, result.seconds);
+  return result;
+}
+
+async function copyImageOnce(x: Exec, src: string, dst: string, opts: CopyOptions): Promise<CopyResult> {
   const started = performance.now();
   try {
     await fs.copyFile(src, dst, constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL);
@@ -113,13 +126,55 @@ export async function copyImage(x: Exec, src: string, dst: string, opts: CopyOpt
     }
   }
   const bytes = await allocatedBytes(src);
-  await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {
-    detached: true,
-    timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
-    ...(opts.signal ? { signal: opts.signal } : {}),
-  });
+  const progress = logProgress(x, src, dst, bytes, started, opts.progressMs ?? COPY_PROGRESS_MS);
+  try {
+    await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {
+      detached: true,
+      timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
+      ...(opts.signal ? { signal: opts.signal } : {}),
+    });
+  } finally {
+    clearInterval(progress);
+  }
   await syncFile(dst);
   return { method: 'sparse-copy', bytes, seconds: (performance.now() - started) / 1000 };
+}
+
+/**
+ * Logs a byte copy's progress every `everyMs`: what the destination holds so far (its allocated bytes,
+ * read from the pool: cp writes only the source's allocated extents), of how much, and how fast.
+ */
+function logProgress(
+  x: Exec,
+  src: string,
+  dst: string,
+  totalBytes: number,
+  started: number,
+  everyMs: number,
+): NodeJS.Timeout {
+  const timer = setInterval(() => {
+    allocatedBytes(dst).then(
+      (copiedBytes) => {
+        const seconds = (performance.now() - started) / 1000;
+        const done = Math.min(copiedBytes, totalBytes);
+        x.log.info(
+          {
+            source: src,
+            target: dst,
+            copiedBytes: done,
+            totalBytes,
+            percent: totalBytes > 0 ? Math.floor((done / totalBytes) * 100) : 100,
+            bytesPerSecond: seconds > 0 ? Math.round(done / seconds) : 0,
+            seconds: Math.round(seconds),
+          },
+          'copying image',
+        );
+      },
+      () => undefined, // not there yet, or already renamed: the next look (or the end) says
+    );
+  }, everyMs);
+  timer.unref();
+  return timer;
 }
 
 /** Bytes the file really occupies on disk. */
