@@ -1,0 +1,224 @@
+/**
+ * What is not as it should be on this host: loop devices of pool images that no lease explains, their
+ * mounts, mounts of staged volumes outside the kubelet's directory, and frozen filesystems. A
+ * filesystem a node fenced (froze for good after a force-detach, nodes/<node>.fenced) is reported as
+ * what it is, on purpose, and never as something to remove.
+ */
+import type { Exec } from '../exec/runner.js';
+import type { Host, MountEntry } from '../host/host.js';
+import { isDeviceBind } from '../node/on-host.js';
+import type { Lease } from '../pool/types.js';
+import type { Pool } from '../pool/pool.js';
+import type { Finding } from './findings.js';
+import { ext4Frozen, type FreezeState, probeFrozen } from './frozen.js';
+import { explainedLoops, type HostView, isUnder, lookAtPoolOnHost, type PoolLoop } from './host-look.js';
+import type { Inventory } from './inventory.js';
+import { selfIdentity } from './self.js';
+
+export const DEFAULT_KUBELET_DIR = '/var/lib/kubelet';
+
+export interface HostCheckOptions {
+  /** The kubelet's root directory: stagings and publications of volumes live under it. */
+  kubeletDir: string;
+  /** The nodes that run on this host; by default those whose registration names this host. */
+  nodeIds?: readonly string[];
+  /** Find out whether xfs and btrfs filesystems are frozen by trying to freeze them (see frozen.ts). */
+  probeFrozen: boolean;
+}
+
+export interface HostCheck {
+  view: HostView;
+  findings: Finding[];
+  /** What the reader should know about how this was judged. */
+  notes: string[];
+}
+
+/** Which nodes may run on this host, and a note when that could not be told. */
+async function hostNodes(
+  inv: Pick<Inventory, 'nodes'>,
+  opts: HostCheckOptions,
+): Promise<{ here: (node: string) => boolean; note?: string }> {
+  if (opts.nodeIds) {
+    const set = new Set(opts.nodeIds);
+    return { here: (n) => set.has(n) };
+  }
+  const me = await selfIdentity();
+  const nodes = [...inv.nodes.values()];
+  const mine = new Set(nodes.filter((n) => n.record?.host === me.host).map((n) => n.node));
+  if (mine.size === 0) {
+    if (!nodes.some((n) => n.record !== undefined)) return { here: () => true };
+    return {
+      here: () => true,
+      note: `no node registration names this host (${me.host}), so every node's leases were taken as possibly this host's (fewer devices are called leaks); run this where the node plugin runs, or pass --nodeid`,
+    };
+  }
+  // A node without a registration may be this host's too: its leases explain devices here.
+  return { here: (n) => mine.has(n) || inv.nodes.get(n)?.record === undefined };
+}
+
+const rwMount = (p: PoolLoop): MountEntry | undefined => {
+  const fsMounts = p.mounts.filter((m) => !isDeviceBind(m));
+  if (fsMounts.length === 0 || fsMounts.some((m) => m.superOptions.includes('ro'))) return undefined;
+  return fsMounts.find((m) => !m.options.includes('ro')) ?? fsMounts[0];
+};
+
+export async function hostFindings(
+  pool: Pool,
+  inv: Pick<Inventory, 'volumes' | 'nodes'>,
+  host: Host,
+  x: Exec,
+  opts: HostCheckOptions,
+): Promise<HostCheck> {
+  const view = await lookAtPoolOnHost(pool, host, x);
+  const me = await selfIdentity();
+  const { here, note } = await hostNodes(inv, opts);
+  const notes = note ? [note] : [];
+  const findings: Finding[] = [];
+
+  const fenced = new Map<string, { node: string; volumeId: string; at: string }>();
+  const freezes = new Map<string, string>();
+  for (const n of inv.nodes.values()) {
+    for (const e of n.fenced) if (e.bootId === me.bootId) fenced.set(e.device, { ...e, node: n.node });
+    if (here(n.node)) for (const [v, state] of n.freezes) freezes.set(v, state ?? 'asked');
+  }
+  const leasesOf = new Map<string, Lease[]>(inv.volumes.map((v) => [v.id, v.leases]));
+
+  // Which devices the leases explain, volume by volume.
+  const explained = new Set<string>();
+  const byVolume = new Map<string, PoolLoop[]>();
+  for (const p of view.loops) {
+    if (p.image.kind !== 'volume' || p.image.id === undefined) continue;
+    byVolume.set(p.image.id, [...(byVolume.get(p.image.id) ?? []), p]);
+  }
+  for (const [id, loops] of byVolume) {
+    const names = explainedLoops(
+      loops.map((p) => p.loop),
+      leasesOf.get(id) ?? [],
+      view.mounts,
+      here,
+    );
+    for (const n of names) explained.add(n);
+  }
+
+  let notChecked = 0;
+  for (const p of view.loops) {
+    const dev = p.loop.path;
+    const id = p.image.id;
+    const volumeId = p.image.kind === 'volume' ? id : undefined;
+    const what = `${p.image.kind === 'deleted' ? 'a deleted image' : `the ${p.image.kind} image`} ${p.image.path}`;
+    const f = fenced.get(dev);
+    if (f) {
+      findings.push({
+        kind: 'fenced-filesystem',
+        severity: 'notice',
+        scope: 'host',
+        subject: dev,
+        volumeId: f.volumeId,
+        node: f.node,
+        detail: `node ${f.node} froze the filesystem of volume ${f.volumeId} on ${dev} for good at ${f.at}, because the volume was detached from it while mounted (a force-detach): the old pod's writes must never reach it`,
+        action:
+          'Intentional. Reboot the node once its pods are gone: only that ends a fence. Neither the driver nor loopvol gc thaws, unmounts or detaches it.',
+      });
+      continue;
+    }
+    const isExplained = explained.has(p.loop.name);
+    const stagings = new Set((volumeId ? (leasesOf.get(volumeId) ?? []) : []).map((l) => l.stagingPath));
+
+    // Frozen? Known for ext4 from its superblock; for xfs and btrfs only by trying, on request.
+    const rw = rwMount(p);
+    let frozen: FreezeState = 'unknown';
+    const standing = volumeId ? freezes.get(volumeId) : undefined;
+    if (rw) {
+      if (rw.fsType === 'ext4') frozen = await ext4Frozen(dev);
+      else if (standing === 'frozen') frozen = 'frozen';
+      else if (opts.probeFrozen && standing === undefined && (isExplained || !volumeId))
+        frozen = await probeFrozen(x, rw.mountPoint);
+      else notChecked++;
+      if (frozen === 'frozen') {
+        findings.push(
+          standing !== undefined
+            ? {
+                kind: 'frozen-for-copy',
+                severity: 'notice',
+                scope: 'host',
+                subject: rw.mountPoint,
+                ...(volumeId ? { volumeId } : {}),
+                detail: `the filesystem on ${dev} is frozen for a snapshot or clone being copied now`,
+                action:
+                  'Nothing: the node thaws it when the copy ends, or on its own when the freeze runs out.',
+              }
+            : {
+                kind: 'frozen-filesystem',
+                severity: 'problem',
+                scope: 'host',
+                subject: rw.mountPoint,
+                ...(volumeId ? { volumeId } : {}),
+                detail: `the filesystem on ${dev} (${what}) is frozen, and no copy and no fence explains it: writes to it hang`,
+                action: `Thaw it: fsfreeze --unfreeze ${rw.mountPoint} (a restart of the node plugin thaws every pool filesystem it did not fence). Never unmount it frozen: it would stay frozen until a reboot.`,
+              },
+        );
+      }
+    }
+
+    let mountsRemovable = true;
+    for (const m of p.mounts) {
+      if (isExplained) {
+        if (isUnder(m.mountPoint, opts.kubeletDir) || stagings.has(m.mountPoint)) continue;
+        mountsRemovable = false;
+        findings.push({
+          kind: 'mount-outside-kubelet',
+          severity: 'problem',
+          scope: 'host',
+          subject: m.mountPoint,
+          ...(volumeId ? { volumeId } : {}),
+          detail: `${dev} of staged volume ${id ?? '?'} is also mounted at ${m.mountPoint}, outside ${opts.kubeletDir} and not at its staging path`,
+          action: `Someone mounted it by hand (or the CO uses another kubelet directory: see --kubelet-dir). Unmount it when done: umount ${m.mountPoint}. gc leaves it: the volume is in use.`,
+        });
+        continue;
+      }
+      const unsafe =
+        frozen === 'frozen' ? 'it is frozen (unmounting it would leave it frozen for good)' : undefined;
+      if (unsafe) mountsRemovable = false;
+      findings.push({
+        kind: 'leaked-mount',
+        severity: 'problem',
+        scope: 'host',
+        subject: m.mountPoint,
+        ...(volumeId ? { volumeId } : {}),
+        detail: `${dev} (${what}) is mounted at ${m.mountPoint}, and no lease explains it`,
+        action: unsafe
+          ? 'Thaw it first (fsfreeze --unfreeze), then loopvol gc unmounts it.'
+          : 'loopvol gc unmounts it unless something uses it (then stop that first).',
+        ...(unsafe
+          ? { gcSkipped: unsafe }
+          : { gc: { action: 'unmount' as const, mountPoint: m.mountPoint, device: dev, volumeId } }),
+      });
+    }
+    if (isExplained) continue;
+
+    let skip: string | undefined;
+    if (p.image.kind === 'quarantine') skip = 'its image is quarantined: decide about the record first';
+    else if (!mountsRemovable) skip = 'it is still mounted';
+    else if (p.mounts.length === 0 && (await host.claimed(dev)))
+      skip =
+        'a filesystem still holds it with no mount here (mounted in another mount namespace, or left frozen when unmounted)';
+    findings.push({
+      kind: 'leaked-loop-device',
+      severity: 'problem',
+      scope: 'host',
+      subject: dev,
+      ...(volumeId ? { volumeId } : {}),
+      detail: `${dev} is attached to ${what}${p.image.partial ? ' (an unfinished copy)' : ''}, and no lease explains it${p.mounts.length > 0 ? ` (mounted at ${p.mounts.map((m) => m.mountPoint).join(', ')})` : ''}`,
+      action: skip
+        ? `Leave it to an operator: ${skip}.`
+        : `loopvol gc detaches it${p.mounts.length > 0 ? ' after unmounting it' : ''}.`,
+      ...(skip ? { gcSkipped: skip } : { gc: { action: 'detach' as const, device: dev, volumeId } }),
+    });
+  }
+  if (notChecked > 0) {
+    notes.push(
+      `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: only trying to freeze one tells (--probe-frozen does, and thaws at once)`,
+    );
+  }
+  return { view, findings, notes };
+}
