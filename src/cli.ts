@@ -4,6 +4,9 @@
  */
 import { parseArgs } from 'node:util';
 import { pino } from 'pino';
+import { check, CHECK_USAGE, gc, GC_USAGE } from './cli/check.js';
+import { snapshots, SNAPSHOTS_USAGE, volumes, VOLUMES_USAGE } from './cli/listings.js';
+import { status, STATUS_USAGE } from './cli/status.js';
 import { Pool } from './pool/pool.js';
 
 export const COMMANDS: Record<string, { usage: string; run: (argv: string[]) => Promise<number> }> = {
@@ -14,6 +17,11 @@ export const COMMANDS: Record<string, { usage: string; run: (argv: string[]) => 
       '  A pool that is already there is left as it is. Servers started with --create-pool=false use it.\n',
     run: createPool,
   },
+  status: { usage: STATUS_USAGE, run: status },
+  volumes: { usage: VOLUMES_USAGE, run: volumes },
+  snapshots: { usage: SNAPSHOTS_USAGE, run: snapshots },
+  check: { usage: CHECK_USAGE, run: check },
+  gc: { usage: GC_USAGE, run: gc },
 };
 
 async function createPool(argv: string[]): Promise<number> {
