@@ -27,6 +27,8 @@ export interface Config {
   freezeBudgetMs: number;
   createPool: boolean;
   nodeFenceMs: number;
+  kubeletDir: string;
+  perVolumeMetrics: boolean;
 }
 
 export const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
@@ -121,6 +123,18 @@ export const FLAGS: readonly FlagSpec[] = [
     help: 'a volume the CO detached from a node that still held it waits until that node confirms it stopped using it; with N > 0 (at least 15), also until the node has been silent N s. Silence proves nothing on its own: use it only where a silent node cannot write (a watchdog reboots it)',
   },
   {
+    name: 'kubelet-dir',
+    value: 'DIR',
+    default: '/var/lib/kubelet',
+    help: "the kubelet's root directory: the node plugin's start-up check reports mounts of pool devices outside it",
+  },
+  {
+    name: 'per-volume-metrics',
+    value: 'true|false',
+    default: 'true',
+    help: 'serve loopvol_volume_allocated_bytes, one series per volume (false for very large pools)',
+  },
+  {
     name: 'shutdown-timeout',
     value: 'SECONDS',
     default: '30',
@@ -138,6 +152,10 @@ export function helpText(): string {
   return [
     'Usage: loopvol [flags]            serve CSI on --endpoint',
     '       loopvol create-pool --pool-dir=DIR   create a pool once (see loopvol create-pool --help)',
+    '       loopvol status|volumes|snapshots     the pool, its volumes and snapshots (tables, or --json)',
+    '       loopvol check                        what is not as it should be, with what to do (exit 1 if any)',
+    '       loopvol gc [--yes]                   remove what check proves safe to remove (dry run without --yes)',
+    "       loopvol <command> --help             each command's flags and exit statuses",
     '',
     'loopvol is a CSI driver that turns a directory into a pool of loop-device volumes.',
     '',
@@ -308,6 +326,13 @@ export function parseConfig(argv: readonly string[]): ParseResult {
   if (createText !== 'true' && createText !== 'false') {
     throw new ConfigError(`--create-pool ${createText}: must be true or false`);
   }
+  const kubeletDir = get('kubelet-dir');
+  if (!path.isAbsolute(kubeletDir))
+    throw new ConfigError(`--kubelet-dir ${kubeletDir}: must be an absolute path`);
+  const perVolumeText = get('per-volume-metrics');
+  if (perVolumeText !== 'true' && perVolumeText !== 'false') {
+    throw new ConfigError(`--per-volume-metrics ${perVolumeText}: must be true or false`);
+  }
   const budgetText = get('freeze-budget');
   const budgetSeconds = /^\d+(\.\d+)?$/.test(budgetText) ? Number(budgetText) : NaN;
   if (!(budgetSeconds >= 0) || budgetSeconds > 3600) {
@@ -333,6 +358,8 @@ export function parseConfig(argv: readonly string[]): ParseResult {
       freezeBudgetMs: Math.round(budgetSeconds * 1000),
       createPool: createText === 'true',
       nodeFenceMs: fenceSeconds * 1000,
+      kubeletDir: path.normalize(kubeletDir),
+      perVolumeMetrics: perVolumeText === 'true',
     },
   };
 }

@@ -19,6 +19,8 @@ import { nodeService, POOL_ID_KEY } from './csi/node.js';
 import { snapshotMetadataRefusing, snapshotMetadataService } from './csi/snapshot-metadata.js';
 import { failedPrecondition } from './errors.js';
 import { bindExec, type Exec, ExecRunner, type Runner } from './exec/runner.js';
+import { poolStats } from './audit/pool-stats.js';
+import { type Reporter, startReports } from './audit/report.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
 import type { GroupControllerHandlers } from './gen/csi/v1/GroupController.js';
 import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
@@ -42,6 +44,7 @@ import { InFlight } from './server/inflight.js';
 import { csiProto } from './server/proto.js';
 import { listen, stop } from './server/server.js';
 import { buildStreamingService, type StreamMethods } from './server/stream.js';
+import { setTelemetry } from './telemetry.js';
 import { driverVersion } from './version.js';
 
 /** A scope for work the driver does on its own behalf (startup), outside any RPC. */
@@ -196,6 +199,33 @@ export async function startDriver(
   const metrics = config.metricsAddress
     ? new Metrics(capacityProbe, async () => (serving ? (await serving.pool.quarantined()).length : 0))
     : undefined;
+  if (metrics) {
+    setTelemetry(metrics);
+    if (servesController(config)) {
+      metrics.watchPool(
+        async () => (serving ? poolStats(serving.pool, log) : undefined),
+        config.perVolumeMetrics,
+      );
+    }
+  }
+  // What `loopvol check` would say, logged and counted at start and every few minutes; never acted on.
+  let reporter: Reporter | undefined;
+  const report = (pool: Pool): void => {
+    const scopes: ('pool' | 'host')[] = [];
+    if (servesController(config)) scopes.push('pool');
+    if (servesNode(config)) scopes.push('host');
+    reporter = startReports({
+      pool,
+      log,
+      runner,
+      host: kernelHost,
+      scopes,
+      kubeletDir: config.kubeletDir,
+      nodeFenceSeconds: config.nodeFenceMs / 1000,
+      publish: (scope, findings) => metrics?.setFindings(scope, findings),
+    });
+  };
+  if (serving) report(serving.pool);
   let active = 0;
   const deps: CallDeps = {
     log,
@@ -277,6 +307,7 @@ export async function startDriver(
           // Ready only once every service is there to serve it.
           serving = await serve(config, pool, log, runner, inflight);
           state = pool;
+          report(pool);
           log.info({ pool: pool.root, id: pool.id }, 'the pool appeared; serving it');
         } catch (err) {
           if (!(err instanceof PoolMissing)) log.warn({ err }, 'the pool is there but cannot be opened yet');
@@ -309,12 +340,14 @@ export async function startDriver(
     inFlightCalls: () => active,
     async stop() {
       stopped = true;
+      reporter?.stop();
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
       await looking;
       await serving?.agent?.stop();
       await serving?.guard?.stop();
+      if (metrics) setTelemetry(undefined);
     },
   };
 }

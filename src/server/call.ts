@@ -53,6 +53,8 @@ export function method<Req, Res, V>(def: MethodDef<Req, Res, V>): Method<Req, Re
 }
 
 export interface CallObserver {
+  /** A call began (every call that begins ends in exactly one observe). */
+  begin?(service: string, method: string): void;
   observe(service: string, method: string, code: string, seconds: number): void;
 }
 
@@ -144,6 +146,7 @@ export function unaryHandler<Req, Res>(
       run: (command, args, options) => deps.runner.run(ctx, command, args, options),
     };
     deps.tracker?.begin();
+    deps.observer?.begin?.(service, name);
     let release: (() => void) | undefined;
     const finish = (err: unknown, response?: Res): void => {
       release?.();
