@@ -76,77 +76,92 @@ async function hostSteps(d: GcDeps, planned: readonly Finding[]): Promise<GcOutc
     }
   }
   await holding(d.pool, [...volumeIds], async () => {
-    let now = await d.recheckHost();
-    let changedVolume = false;
-    const stillPlanned = (f: Finding): boolean => now.findings.some((g) => sameStep(f.gc as GcStep, g.gc));
+    await actOnHost(d, planned, volumeIds, out);
+  }).catch((err: unknown) => {
+    // The locks could not be had, or the host could not be looked at: whatever was not done stays.
+    const why = err instanceof Error ? err.message : String(err);
     for (const f of planned) {
-      if (f.gc?.action !== 'unmount') continue;
-      const { mountPoint, device, volumeId } = f.gc;
-      if (!stillPlanned(f)) {
-        out.push({
-          finding: f,
-          result: 'skipped',
-          message: 'no longer leaked when looked at again; left alone',
-        });
-        continue;
-      }
-      const top = now.view.mounts.filter((m) => m.mountPoint === mountPoint).at(-1);
-      if (top?.source !== device && top?.root !== `/${path.basename(device)}`) {
-        out.push({
-          finding: f,
-          result: 'failed',
-          message: `something else is mounted on top of ${mountPoint}; left alone`,
-        });
-        continue;
-      }
-      try {
-        await d.x.run('umount', [mountPoint], { timeoutMs: 60_000 });
-        if (volumeId !== undefined && volumeIds.has(volumeId)) changedVolume = true;
-        out.push({ finding: f, result: 'removed', message: `unmounted ${mountPoint}` });
-      } catch (err) {
-        const why = err instanceof CommandError ? err.lastStderrLine : String(err);
-        out.push({ finding: f, result: 'failed', message: `could not unmount ${mountPoint}: ${why}` });
-      }
+      if (!out.some((o) => o.finding === f)) out.push({ finding: f, result: 'failed', message: why });
     }
-    now = await d.recheckHost();
-    for (const f of planned) {
-      if (f.gc?.action !== 'detach') continue;
-      const { device, volumeId } = f.gc;
-      const p = now.view.loops.find((l) => l.loop.path === device);
-      if (!p || !stillPlanned(f)) {
-        out.push({
-          finding: f,
-          result: 'skipped',
-          message: p ? 'no longer leaked when looked at again; left alone' : `${device} is gone already`,
-        });
-        continue;
-      }
-      if (p.mounts.length > 0 || (await d.host.claimed(device))) {
-        out.push({
-          finding: f,
-          result: 'failed',
-          message: `${device} is still mounted or held; left attached`,
-        });
-        continue;
-      }
-      try {
-        const gone = await d.host.detach(d.x, p.loop);
-        if (volumeId !== undefined && volumeIds.has(volumeId)) changedVolume = true;
-        out.push({
-          finding: f,
-          result: 'removed',
-          message: gone
-            ? `detached ${device}`
-            : `${device} is open somewhere; the kernel detaches it when it is closed`,
-        });
-      } catch (err) {
-        const why = err instanceof CommandError ? err.lastStderrLine : String(err);
-        out.push({ finding: f, result: 'failed', message: `could not detach ${device}: ${why}` });
-      }
-    }
-    if (changedVolume) await new Promise((r) => setTimeout(r, d.graceMs ?? GC_GRACE_MS));
   });
   return out;
+}
+
+async function actOnHost(
+  d: GcDeps,
+  planned: readonly Finding[],
+  volumeIds: ReadonlySet<string>,
+  out: GcOutcome[],
+): Promise<void> {
+  let now = await d.recheckHost();
+  let changedVolume = false;
+  const stillPlanned = (f: Finding): boolean => now.findings.some((g) => sameStep(f.gc as GcStep, g.gc));
+  for (const f of planned) {
+    if (f.gc?.action !== 'unmount') continue;
+    const { mountPoint, device, volumeId } = f.gc;
+    if (!stillPlanned(f)) {
+      out.push({
+        finding: f,
+        result: 'skipped',
+        message: 'no longer leaked when looked at again; left alone',
+      });
+      continue;
+    }
+    const top = now.view.mounts.filter((m) => m.mountPoint === mountPoint).at(-1);
+    if (top?.source !== device && top?.root !== `/${path.basename(device)}`) {
+      out.push({
+        finding: f,
+        result: 'failed',
+        message: `something else is mounted on top of ${mountPoint}; left alone`,
+      });
+      continue;
+    }
+    try {
+      await d.x.run('umount', [mountPoint], { timeoutMs: 60_000 });
+      if (volumeId !== undefined && volumeIds.has(volumeId)) changedVolume = true;
+      out.push({ finding: f, result: 'removed', message: `unmounted ${mountPoint}` });
+    } catch (err) {
+      const why = err instanceof CommandError ? err.lastStderrLine : String(err);
+      out.push({ finding: f, result: 'failed', message: `could not unmount ${mountPoint}: ${why}` });
+    }
+  }
+  now = await d.recheckHost();
+  for (const f of planned) {
+    if (f.gc?.action !== 'detach') continue;
+    const { device, volumeId } = f.gc;
+    const p = now.view.loops.find((l) => l.loop.path === device);
+    if (!p || !stillPlanned(f)) {
+      out.push({
+        finding: f,
+        result: 'skipped',
+        message: p ? 'no longer leaked when looked at again; left alone' : `${device} is gone already`,
+      });
+      continue;
+    }
+    if (p.mounts.length > 0 || (await d.host.claimed(device))) {
+      out.push({
+        finding: f,
+        result: 'failed',
+        message: `${device} is still mounted or held; left attached`,
+      });
+      continue;
+    }
+    try {
+      const gone = await d.host.detach(d.x, p.loop);
+      if (volumeId !== undefined && volumeIds.has(volumeId)) changedVolume = true;
+      out.push({
+        finding: f,
+        result: 'removed',
+        message: gone
+          ? `detached ${device}`
+          : `${device} is open somewhere; the kernel detaches it when it is closed`,
+      });
+    } catch (err) {
+      const why = err instanceof CommandError ? err.lastStderrLine : String(err);
+      out.push({ finding: f, result: 'failed', message: `could not detach ${device}: ${why}` });
+    }
+  }
+  if (changedVolume) await new Promise((r) => setTimeout(r, d.graceMs ?? GC_GRACE_MS));
 }
 
 async function removeTrash(d: GcDeps, f: Finding, entry: string): Promise<GcOutcome> {
