@@ -19,8 +19,7 @@ export const EXIT = {
 } as const;
 
 export const EXIT_HELP =
-  'Exit status: 0 done (check: nothing but notices), 1 check found problems (gc: something could not be removed),\n' +
-  '  2 bad flags, 3 the pool could not be read (not mounted? no pool.json?).\n';
+  'Exit status: 0 done, 2 bad flags, 3 the pool could not be read (not mounted? no pool.json?).\n';
 
 export class UsageError extends Error {
   override readonly name = 'UsageError';
@@ -34,8 +33,8 @@ export const COMMON_OPTIONS = {
 } as const satisfies ParseArgsConfig['options'];
 
 export const COMMON_HELP =
-  `  --pool-dir DIR   the pool (default ${defaultOf('pool-dir')}, as the server's)\n` +
-  '  --json           JSON on stdout instead of tables, for scripts\n';
+  `  --pool-dir DIR        the pool (default ${defaultOf('pool-dir')}, as the server's)\n` +
+  '  --json                JSON on stdout instead of tables, for scripts\n';
 
 /** Parses `argv` strictly; a bad flag is a UsageError (exit 2). */
 export function parse<O extends NonNullable<ParseArgsConfig['options']>>(argv: string[], options: O) {

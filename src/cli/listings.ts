@@ -27,8 +27,8 @@ export const VOLUMES_USAGE =
   '  allocated bytes, filesystem (or block), allocation, state, the nodes it is published to and staged on\n' +
   '  (a revoked lease is marked "revoked"), and when it was created.\n' +
   COMMON_HELP +
-  '  --pvc NAME       only volumes of PVCs of that name (NAME) or that one PVC (NAMESPACE/NAME)\n' +
-  '  --node NODE      only volumes published to or staged on NODE\n' +
+  '  --pvc NAME            only volumes of PVCs of that name (NAME) or that one PVC (NAMESPACE/NAME)\n' +
+  '  --node NODE           only volumes published to or staged on NODE\n' +
   EXIT_HELP;
 
 export const SNAPSHOTS_USAGE =
@@ -36,8 +36,8 @@ export const SNAPSHOTS_USAGE =
   '  One line per snapshot: id, name, source volume and its PVC, size, allocated bytes, filesystem,\n' +
   '  state, group snapshot, and the instant it stands for.\n' +
   COMMON_HELP +
-  '  --volume ID      only snapshots of that volume\n' +
-  '  --pvc NAME       only snapshots of volumes of PVCs of that name (or NAMESPACE/NAME)\n' +
+  '  --volume ID           only snapshots of that volume\n' +
+  '  --pvc NAME            only snapshots of volumes of PVCs of that name (or NAMESPACE/NAME)\n' +
   EXIT_HELP;
 
 function pvcMatches(filter: string | undefined, pvc: { namespace: string; name: string }): boolean {

@@ -27,7 +27,7 @@ export const STATUS_USAGE =
   '  quarantined records and trash, the nodes and their heartbeats; and what this host has attached and\n' +
   '  mounted from the pool.\n' +
   COMMON_HELP +
-  "  --overcommit-ratio R   the server's --overcommit-ratio, for the room left to sparse volumes (default 1)\n" +
+  "  --overcommit-ratio R  the server's --overcommit-ratio, for the room left to sparse volumes (default 1)\n" +
   EXIT_HELP;
 
 /** The filesystem that holds `p`: the deepest mount whose mount point contains it. */
