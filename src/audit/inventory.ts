@@ -14,7 +14,7 @@ import { errnoCode } from '../errors.js';
 import { Capacity } from '../pool/capacity.js';
 import { exists, isRecord, listDir, readJson, type RecordRead } from '../pool/fsutil.js';
 import { isGroupSnapshotId, isNodeId, isSnapshotId, isVolumeId } from '../pool/ids.js';
-import { type FencedEntry, NodeRegistry } from '../pool/nodes.js';
+import { type FencedEntry, isFencedEntry, NodeRegistry } from '../pool/nodes.js';
 import { QUARANTINE_NOTE, type Pool } from '../pool/pool.js';
 import { type AnswerState, QuiesceBoard } from '../pool/quiesce.js';
 import { SnapshotStore } from '../pool/snapshots.js';
@@ -217,7 +217,7 @@ export async function readTrash(pool: Pool): Promise<TrashInfo[]> {
   return out.filter((t): t is TrashInfo => t !== undefined);
 }
 
-const NODE_FILE = /^(.+)\.(json|alive|fenced|quiesce|frozen|attached)$/;
+const NODE_FILE = /^(.+)\.(json|alive|fenced|revoked|quiesce|frozen|attached)$/;
 
 export async function readNodes(
   pool: Pool,
@@ -234,13 +234,7 @@ export async function readNodes(
     const record = parseNodeRecord(await readJson(pool.layout.node(node)).catch(() => undefined));
     const heartbeatAgeSeconds = await ageSeconds(pool.layout.nodeAlive(node));
     const raw = await readJson(pool.layout.nodeFenced(node)).catch(() => undefined);
-    const fenced = (Array.isArray(raw) ? (raw as unknown[]) : []).filter(
-      (e): e is FencedEntry =>
-        isRecord(e) &&
-        typeof e.device === 'string' &&
-        typeof e.volumeId === 'string' &&
-        typeof e.bootId === 'string',
-    );
+    const fenced = (Array.isArray(raw) ? (raw as unknown[]) : []).filter(isFencedEntry);
     const requests = await board.requests(node);
     const answers = await board.answers(node);
     const freezes = new Map<string, AnswerState | undefined>();

@@ -27,7 +27,7 @@ export interface FencedEntry {
   at: string;
 }
 
-const isFencedEntry = (e: unknown): e is FencedEntry =>
+export const isFencedEntry = (e: unknown): e is FencedEntry =>
   isRecord(e) &&
   ['volumeId', 'device', 'backingDev', 'backingIno', 'bootId', 'at'].every((k) => typeof e[k] === 'string');
 

@@ -125,7 +125,7 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
     base = await env.dir('operator');
     pool = path.join(base, 'pool');
     kubelet = path.join(base, 'kubelet');
-    d = await env.driver({ dir: base, nodeId: 'node-1', extra: ['--node-fence-seconds=4'] });
+    d = await env.driver({ dir: base, nodeId: 'node-1' });
 
     // A: a loop device attached by hand from a pool image. It is snapshotted first (a listing).
     await create('a');

@@ -264,7 +264,9 @@ describe('hostFindings over the fake host', () => {
           'node-1',
           node('node-1', {
             record: { node: 'node-1', pool: 'p', maxVolumes: 1, host: me.host, registeredAt: '' },
-            fenced: [{ volumeId: c, device: lc.path, bootId: me.bootId, at: 't' }],
+            fenced: [
+              { volumeId: c, device: lc.path, backingDev: '', backingIno: '', bootId: me.bootId, at: 't' },
+            ],
           }),
         ],
       ]),
