@@ -158,8 +158,14 @@ export function stagingLoop(
 export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>> {
   const others = new Set<string>();
   if (on.loops.length === 0) return others;
-  for (const l of await d.volumes.leases(on.id)) {
+  const leases = await d.volumes.leases(on.id);
+  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
+  for (const l of leases) {
     if (l.node === d.nodeId) continue;
+    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers)
+    // names nothing here: kubelet's staging path is the same on every node, so reading it against
+    // this host's mount table would take this node's own staging for that node's.
+    if (l.bootId !== undefined ? l.bootId !== d.bootId : ownPaths.has(l.stagingPath)) continue;
     const theirs = stagingLoop(on.loops, l, on.mounts);
     if (theirs) others.add(theirs.name);
   }

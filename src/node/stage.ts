@@ -106,6 +106,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     mode: r.cap.mode,
     readonly: readOnly,
     since: new Date().toISOString(),
+    bootId: d.bootId,
   };
   const previous = await d.volumes.takeLease(r.id, lease);
   if (previous && previous.stagingPath !== staging) {
@@ -285,6 +286,7 @@ async function alreadyStaged(
         mode: cap.mode,
         readonly: readOnly,
         since: new Date().toISOString(),
+        bootId: d.bootId,
       });
       return true;
     }

@@ -286,7 +286,8 @@ export abstract class VolumeFences {
         mine.accessType !== lease.accessType ||
         mine.mode !== lease.mode ||
         mine.readonly !== lease.readonly ||
-        (lease.device !== undefined && mine.device !== lease.device);
+        (lease.device !== undefined && mine.device !== lease.device) ||
+        (lease.bootId !== undefined && mine.bootId !== lease.bootId);
       if (rewrite || silent.length > 0) {
         const f = await this.fenceFileForUpdate(id);
         // A node let go for its silence stays let go, whatever its heartbeat does later.

@@ -86,6 +86,13 @@ export interface Lease {
   /** The loop device (e.g. "loop3") the node staged it on: a hint, always checked against /sys/block. */
   device?: string;
   /**
+   * The boot id of the host that staged it: another node's lease names devices and a staging path on
+   * this host only when it was taken under this host's boot id (several plugins sharing one machine).
+   * Kubelet's staging path is the same on every node, so without it a lease left by another host would
+   * claim this host's own staging.
+   */
+  bootId?: string;
+  /**
    * Set when the CO detached the volume from the node (ControllerUnpublishVolume) while it still held
    * this lease: the lease no longer lets the node use the volume, but it still stops other nodes until
    * the node has fenced itself (fencedAt) or is seen dead.
@@ -201,10 +208,11 @@ export function parseAttachment(v: unknown): Attachment | undefined {
 
 export function parseLease(v: unknown): Lease | undefined {
   if (!isRecord(v)) return undefined;
-  const { node, stagingPath, accessType, mode, readonly, since, device, revokedAt, fencedAt } = v;
+  const { node, stagingPath, accessType, mode, readonly, since, device, bootId, revokedAt, fencedAt } = v;
   if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
   if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
   if (device !== undefined && !(str(device) && /^loop\d+$/.test(device))) return undefined;
+  if (bootId !== undefined && !str(bootId)) return undefined;
   if ((revokedAt !== undefined && !str(revokedAt)) || (fencedAt !== undefined && !str(fencedAt)))
     return undefined;
   return {
@@ -215,6 +223,7 @@ export function parseLease(v: unknown): Lease | undefined {
     readonly,
     since,
     ...(device === undefined ? {} : { device }),
+    ...(bootId === undefined ? {} : { bootId }),
     ...(revokedAt === undefined ? {} : { revokedAt }),
     ...(fencedAt === undefined ? {} : { fencedAt }),
   };

@@ -5,6 +5,7 @@
  * and that a freeze for a copy always ends.
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
@@ -18,8 +19,11 @@ import {
   NODE,
   noCommands,
   publish,
+  must,
   removeWorlds,
+  STAGING,
   stage,
+  TARGET,
   unpublish,
   unstage,
   type World,
@@ -193,6 +197,58 @@ async function agentOf(w: World, keys = new InFlight()) {
   };
   return { guard, board, agent, answered, keys };
 }
+
+/** Node `nodeId` on another machine (its own kernel and boot id) that shares `w`'s pool. */
+function anotherHost(w: World, nodeId: string): World {
+  const host = new FakeHost();
+  host.addPath(STAGING);
+  host.addPath(path.dirname(TARGET));
+  return { ...w, host, d: { ...w.d, host, nodeId, bootId: `boot-of-${nodeId}` } };
+}
+
+describe('a lease left by a node on another host', () => {
+  /**
+   * The volume lived on node-c, which was force-detached and confirmed (its revoked lease stays until
+   * node-c unstages, which a dead node never does), then moved to NODE. Kubelet's staging path is the
+   * same on both hosts.
+   */
+  async function movedFromAnotherHost() {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    const c = anotherHost(w, 'node-c');
+    await stage(c, id);
+    await publish(c, id);
+    await w.volumes.unpublish(id, 'node-c');
+    const gc = new FenceGuard(c.d, c.pool, new InFlight(), noCommands, log);
+    await gc.prepare();
+    await gc.round();
+    expect((await w.volumes.leases(id)).find((l) => l.node === 'node-c')?.fencedAt).toBeDefined();
+    await w.volumes.publish(id, { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' }, 8);
+    // The image's bytes, as node-c's kernel left them, are what NODE's kernel reads.
+    w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
+    await stage(w, id);
+    await publish(w, id);
+    return { w, id };
+  }
+
+  it('never hides this node\'s own staging: a force-detach here still freezes it', async () => {
+    const { w, id } = await movedFromAnotherHost();
+    await w.volumes.unpublish(id, NODE);
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.frozen.size).toBe(1);
+    expect((await revoked(w, id))?.fencedAt).toBeDefined();
+  });
+
+  it('never hides this node\'s own staging: unpublish and unstage tear it down', async () => {
+    const { w, id } = await movedFromAnotherHost();
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('OK');
+    expect(w.host.table).toEqual([]);
+    expect([...w.host.attached.keys()]).toEqual([]);
+  });
+});
 
 describe('freezes for copies', () => {
   it('never thaws a filesystem someone else froze (the freeze says busy)', async () => {
