@@ -123,6 +123,9 @@ export class Cluster {
     const status = await fs.readFile('/proc/self/status', 'utf8');
     const caps = capabilitiesOf(/CapBnd:\s*([0-9a-f]+)/.exec(status)?.[1] ?? '0');
     const c = new Cluster({ top, image, runId, capabilities: caps.has, members: [], retired: [] });
+    // The shared variant's pool is a hostPath of type Directory: the operator mounts the export there
+    // on every node before the pods start (README, "Create the shared pool"). Here it is one directory.
+    await fs.mkdir(c.pool, { recursive: true });
     await c.save();
     return c;
   }
