@@ -6,6 +6,7 @@ import { parseArgs } from 'node:util';
 import { pino } from 'pino';
 import { check, CHECK_USAGE, gc, GC_USAGE } from './cli/check.js';
 import { snapshots, SNAPSHOTS_USAGE, volumes, VOLUMES_USAGE } from './cli/listings.js';
+import { RELEASE_USAGE, releaseNode } from './cli/release.js';
 import { status, STATUS_USAGE } from './cli/status.js';
 import { Pool } from './pool/pool.js';
 
@@ -22,6 +23,7 @@ export const COMMANDS: Record<string, { usage: string; run: (argv: string[]) => 
   snapshots: { usage: SNAPSHOTS_USAGE, run: snapshots },
   check: { usage: CHECK_USAGE, run: check },
   gc: { usage: GC_USAGE, run: gc },
+  'release-node': { usage: RELEASE_USAGE, run: releaseNode },
 };
 
 async function createPool(argv: string[]): Promise<number> {

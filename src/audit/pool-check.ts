@@ -111,7 +111,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           ? `volume ${v.id} keeps a revoked lease of node ${l.node} (detached at ${l.revokedAt ?? '?'}${l.fencedAt ? `; released: ${l.fencedAt}` : ', not yet confirmed by that node'}); ${silence(n, l.node)}`
           : `volume ${v.id} is staged on node ${l.node} since ${l.since}; ${silence(n, l.node)}`,
         action: revoked
-          ? `Until node ${l.node} confirms (its plugin fences the volume when it runs again) no other node may stage the volume; a released one stops nobody and goes when that node unstages. If node ${l.node} is powered off for good, remove its entry from "revoked" in fences.json.`
+          ? `Until node ${l.node} confirms (its plugin fences the volume when it runs again) no other node may stage the volume; a released one stops nobody and goes when that node unstages. If node ${l.node} is powered off for good, release it: loopvol release-node --node ${l.node} --yes.`
           : GONE_NODE,
       });
     }

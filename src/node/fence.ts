@@ -114,10 +114,13 @@ export class FenceGuard {
     if (typeof release !== 'function') return; // a call or a freeze is at work on it: next round
     try {
       const mine = (await this.d.volumes.leases(id)).find((l) => l.node === this.d.nodeId);
-      if (mine?.revokedAt === undefined || mine.fencedAt !== undefined) {
+      if (mine?.revokedAt === undefined) {
         await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false); // settled already
         return;
       }
+      // Released without this node's word (seen silent, or an operator's release-node) is no reason
+      // to keep writing: a node that was only cut off, or not dead after all, still freezes what it has.
+      const releasedByOthers = mine.fencedAt !== undefined;
       const on = await lookAtHost(this.d, this.x, id);
       const others = await othersLoops(this.d, on);
       const loops = on.loops.filter((l) => !others.has(l.name));
@@ -166,7 +169,8 @@ export class FenceGuard {
         froze > 0 || loops.some(recorded)
           ? 'froze its filesystem for good'
           : 'nothing of it was writable here';
-      await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
+      if (!releasedByOthers)
+        await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
       await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false);
     } finally {
       release();

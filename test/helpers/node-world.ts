@@ -75,6 +75,14 @@ export async function world(): Promise<World> {
   return { host, d, x: bindExec(noCommands, { log, deadline: Infinity }), volumes, pool, root: pool.root };
 }
 
+/** Node `nodeId` on another machine (its own kernel and boot id) that shares `w`'s pool. */
+export function anotherHost(w: World, nodeId: string): World {
+  const host = new FakeHost();
+  host.addPath(STAGING);
+  host.addPath(path.dirname(TARGET));
+  return { ...w, host, d: { ...w.d, host, nodeId, bootId: `boot-of-${nodeId}` } };
+}
+
 export const cap = (over: Partial<Capability> = {}): Capability => ({
   accessType: 'mount',
   mode: 'SINGLE_NODE_WRITER',

@@ -5,7 +5,6 @@
  * and that a freeze for a copy always ends.
  */
 import fs from 'node:fs/promises';
-import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
@@ -19,11 +18,10 @@ import {
   NODE,
   noCommands,
   publish,
+  anotherHost,
   must,
   removeWorlds,
-  STAGING,
   stage,
-  TARGET,
   unpublish,
   unstage,
   type World,
@@ -78,6 +76,18 @@ describe('the fence guard', () => {
     expect(await thawLeftovers(w.d, w.x, again)).toBe(0);
     expect(w.host.ops.some((o) => o.startsWith('thaw'))).toBe(false);
     expect(w.host.frozen.has('/dev/loop0')).toBe(true);
+  });
+
+  it('still freezes a writable mount of a volume released without its word (seen silent, or by an operator)', async () => {
+    const { w, id } = await takenFromNode();
+    await w.volumes.markFenced(id, NODE, 'released by an operator');
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.frozen.size).toBe(1);
+    // The release stays as the operator made it, and the node is done with the volume.
+    expect((await revoked(w, id))?.fencedAt).toContain('released by an operator');
+    expect(await w.d.nodes.revocations(NODE)).toEqual([]);
   });
 
   it('confirms at once when nothing of the volume is writable here (the node rebooted)', async () => {
@@ -198,14 +208,6 @@ async function agentOf(w: World, keys = new InFlight()) {
   return { guard, board, agent, answered, keys };
 }
 
-/** Node `nodeId` on another machine (its own kernel and boot id) that shares `w`'s pool. */
-function anotherHost(w: World, nodeId: string): World {
-  const host = new FakeHost();
-  host.addPath(STAGING);
-  host.addPath(path.dirname(TARGET));
-  return { ...w, host, d: { ...w.d, host, nodeId, bootId: `boot-of-${nodeId}` } };
-}
-
 describe('a lease left by a node on another host', () => {
   /**
    * The volume lived on node-c, which was force-detached and confirmed (its revoked lease stays until
@@ -223,7 +225,11 @@ describe('a lease left by a node on another host', () => {
     await gc.prepare();
     await gc.round();
     expect((await w.volumes.leases(id)).find((l) => l.node === 'node-c')?.fencedAt).toBeDefined();
-    await w.volumes.publish(id, { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' }, 8);
+    await w.volumes.publish(
+      id,
+      { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
+      8,
+    );
     // The image's bytes, as node-c's kernel left them, are what NODE's kernel reads.
     w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
     await stage(w, id);
@@ -231,7 +237,7 @@ describe('a lease left by a node on another host', () => {
     return { w, id };
   }
 
-  it('never hides this node\'s own staging: a force-detach here still freezes it', async () => {
+  it("never hides this node's own staging: a force-detach here still freezes it", async () => {
     const { w, id } = await movedFromAnotherHost();
     await w.volumes.unpublish(id, NODE);
     const guard = guardOf(w);
@@ -241,7 +247,7 @@ describe('a lease left by a node on another host', () => {
     expect((await revoked(w, id))?.fencedAt).toBeDefined();
   });
 
-  it('never hides this node\'s own staging: unpublish and unstage tear it down', async () => {
+  it("never hides this node's own staging: unpublish and unstage tear it down", async () => {
     const { w, id } = await movedFromAnotherHost();
     expect(await codeOf(unpublish(w, id))).toBe('OK');
     expect(await codeOf(unstage(w, id))).toBe('OK');

@@ -1,0 +1,107 @@
+/**
+ * `loopvol release-node`, the real binary against a real pool: the volumes force-detached from a node
+ * that never confirmed are listed, released only with --yes and only after the node's heartbeat stayed
+ * unchanged, and never while it changes. Node sides run on the in-memory kernel (test/helpers/node-world).
+ */
+import { afterAll, describe, expect, it } from 'vitest';
+import { FenceGuard } from '../../src/node/fence.js';
+import { InFlight } from '../../src/server/inflight.js';
+import { runMain } from '../helpers/driver.js';
+import {
+  anotherHost,
+  codeOf,
+  log,
+  must,
+  newVolume,
+  NODE,
+  noCommands,
+  publish,
+  removeWorlds,
+  stage,
+  type World,
+  world,
+} from '../helpers/node-world.js';
+
+afterAll(removeWorlds);
+
+const WATCH = '11';
+
+/** A volume staged and published on node-c (another host), force-detached from it, then published to NODE. */
+async function detachedFromDeadNode() {
+  const w = await world();
+  const { id, image } = await newVolume(w);
+  const c = anotherHost(w, 'node-c');
+  await stage(c, id);
+  await publish(c, id);
+  await c.d.nodes.heartbeat('node-c');
+  await w.volumes.unpublish(id, 'node-c');
+  await w.volumes.publish(
+    id,
+    { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
+    8,
+  );
+  w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
+  return { w, c, id };
+}
+
+const cLease = async (w: World, id: string) => (await w.volumes.leases(id)).find((l) => l.node === 'node-c');
+
+describe('loopvol release-node', () => {
+  it('refuses bad flags with status 2', async () => {
+    const w = await world();
+    expect((await runMain(['release-node', `--pool-dir=${w.root}`])).code).toBe(2);
+    expect(
+      (await runMain(['release-node', '--node=node-c', '--watch-seconds=3', `--pool-dir=${w.root}`])).code,
+    ).toBe(2);
+  });
+
+  it('without --yes lists what waits and changes nothing', async () => {
+    const { w, id } = await detachedFromDeadNode();
+    const r = await runMain(['release-node', '--node=node-c', `--pool-dir=${w.root}`]);
+    expect(r.code).toBe(0);
+    expect(r.stdout).toContain(id);
+    expect(r.stdout).toContain('--yes');
+    expect((await cLease(w, id))?.fencedAt).toBeUndefined();
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+  });
+
+  it('releases a silent node, and refuses (releasing nothing) while a heartbeat changes', async () => {
+    const dead = await detachedFromDeadNode();
+    const alive = await detachedFromDeadNode();
+    const beat = setInterval(() => void alive.c.d.nodes.heartbeat('node-c'), 2000);
+    try {
+      const [r, refused] = await Promise.all([
+        runMain([
+          'release-node',
+          '--node=node-c',
+          '--yes',
+          `--watch-seconds=${WATCH}`,
+          `--pool-dir=${dead.w.root}`,
+          '--json',
+        ]),
+        runMain([
+          'release-node',
+          '--node=node-c',
+          '--yes',
+          `--watch-seconds=${WATCH}`,
+          `--pool-dir=${alive.w.root}`,
+        ]),
+      ]);
+      expect(r.code).toBe(0);
+      expect(JSON.parse(r.stdout)).toMatchObject({ node: 'node-c', released: true, releasedIds: [dead.id] });
+      expect((await cLease(dead.w, dead.id))?.fencedAt).toContain('released by an operator');
+      expect(refused.code).toBe(1);
+      expect(refused.stderr).toContain('heartbeat changed');
+      expect((await cLease(alive.w, alive.id))?.fencedAt).toBeUndefined();
+      expect(await codeOf(stage(alive.w, alive.id))).toBe('FAILED_PRECONDITION');
+    } finally {
+      clearInterval(beat);
+    }
+    // The volume moves; and should node-c come back with its old mount, it freezes it all the same.
+    expect(await codeOf(stage(dead.w, dead.id))).toBe('OK');
+    const guard = new FenceGuard(dead.c.d, dead.c.pool, new InFlight(), noCommands, log);
+    await guard.prepare();
+    await guard.round();
+    expect(dead.c.host.frozen.size).toBe(1);
+  }, 30_000);
+});
