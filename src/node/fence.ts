@@ -138,12 +138,20 @@ export class FenceGuard {
       // writable is frozen again, and nothing is confirmed until the record is repaired).
       const recorded = (l: LoopDevice): boolean => this.fenced !== 'unreadable' && isFencedIn(this.fenced, l);
       let froze = 0;
+      let hidden: LoopDevice | undefined;
       for (const loop of loops) {
         if (recorded(loop)) continue;
         const writable = on.mounts.find(
           (m) => !isDeviceBind(m) && !m.superOptions.includes('ro') && loopOfMount(m, [loop]),
         );
-        if (!writable) continue;
+        if (!writable) {
+          // A filesystem holds the device with no mount of it here (mounted in a mount namespace this
+          // plugin cannot see, such as a container's that outlived the host's mounts): it may write, and
+          // cannot be reached to freeze. Nothing is confirmed while it lasts.
+          const seen = on.mounts.some((m) => loopOfMount(m, [loop]));
+          if (!loop.readOnly && !seen && (await this.d.host.claimed(loop.path))) hidden = loop;
+          continue;
+        }
         // Our own freeze, or none: a filesystem frozen by someone else says busy, and is frozen by
         // this node once they thaw it.
         await this.d.host.freeze(this.x, writable.mountPoint);
@@ -164,6 +172,16 @@ export class FenceGuard {
           { volumeId: id, device: loop.path, mountPoint: writable.mountPoint },
           'a volume was taken from this node while mounted for writing: froze its filesystem for good (reboot the node to release it)',
         );
+      }
+      if (hidden) {
+        if (!this.warned.has(id)) {
+          this.warned.add(id);
+          this.log.error(
+            { volumeId: id, device: hidden.path },
+            'a volume was taken from this node while a filesystem of it is still active here with no mount this plugin can see (another mount namespace); it stays held until that ends',
+          );
+        }
+        return;
       }
       const how =
         froze > 0 || loops.some(recorded)

@@ -89,7 +89,12 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const others = await othersLoops(d, on);
   const mine = on.loops.filter((l) => !others.has(l.name));
   const inUse = (l: LoopDevice): boolean => on.mounts.some((m) => loopOfMount(m, [l]));
-  const usable = mine.filter((l) => l.readOnly === readOnly && !inUse(l));
+  // One attached the same way and mounted somewhere here (a pod's bind of a staging mount that is
+  // gone) is the filesystem in use: it is the one staged again, as a live filesystem (the kernel hands
+  // back its superblock; nothing checks or formats it). A second device would mount the same image
+  // twice, two filesystems on one disk.
+  const sameWay = mine.filter((l) => l.readOnly === readOnly);
+  const usable = [...sameWay.filter(inUse), ...sameWay.filter((l) => !inUse(l))];
   const stale = mine.filter((l) => l.readOnly !== readOnly);
   const busyOne = stale.find(inUse);
   if (busyOne) {

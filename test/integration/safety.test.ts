@@ -391,6 +391,43 @@ describe.skipIf(!isRoot())('a caller that gives up half-way', () => {
   });
 });
 
+describe.skipIf(!isRoot())('a staging mount that goes away under a published volume', () => {
+  /** The source device of the mount at `mp` (the last one stacked there). */
+  const sourceAt = async (mp: string): Promise<string | undefined> =>
+    (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+      .split('\n')
+      .filter((l) => l.split(' ')[4] === mp)
+      .map((l) => l.split(' - ')[1]?.split(' ')[1])
+      .at(-1);
+
+  it.each(['ext4', 'xfs'] as const)(
+    'is staged again from the device the pod still has mounted, never a second device (%s)',
+    async (fsType) => {
+      const base = await env.dir(`restage-${fsType}`);
+      const d = await env.driver({ dir: base });
+      const cap = mountCap(fsType);
+      const { id, image } = await createVolume(d, `pvc-restage-${fsType}-${RUN}`, cap, 320 * MiB);
+      const staging = path.join(base, 'staging');
+      const target = path.join(base, 'pod', 'mount');
+      await stage(d, id, staging, cap);
+      await publish(d, id, staging, target, cap);
+      const device = await sourceAt(target);
+      await fs.writeFile(path.join(target, 'before'), 'written through the pod');
+      sh('umount', [staging]); // the staging mount, made by this test's driver, goes away
+      await stage(d, id, staging, cap); // the kubelet stages again
+      // One device of the image, mounted at both places: one filesystem, not two.
+      expect((await leaksUnder(path.dirname(image))).loops).toHaveLength(1);
+      expect(await sourceAt(staging)).toBe(device);
+      await fs.writeFile(path.join(target, 'after'), 'also written through the pod');
+      expect(await fs.readFile(path.join(staging, 'before'), 'utf8')).toBe('written through the pod');
+      expect(await fs.readFile(path.join(staging, 'after'), 'utf8')).toBe('also written through the pod');
+      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+      expect(await leaksUnder(base)).toMatchObject({ mounts: [], loops: [] });
+    },
+  );
+});
+
 describe.skipIf(!isRoot())('a device that carries a signature, on a pool that hides its blocks', () => {
   let d: DriverProcess;
   let base: string;

@@ -90,6 +90,28 @@ describe('the fence guard', () => {
     expect(await w.d.nodes.revocations(NODE)).toEqual([]);
   });
 
+  it('confirms nothing while a filesystem of the volume is active here with no mount it can see', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    // The host's mounts are gone, but a mount namespace that outlived them (a container's) still holds
+    // the filesystem, so the device stays: unstage says so and keeps the lease.
+    w.host.heldElsewhere.add('/dev/loop0');
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('FAILED_PRECONDITION');
+    await w.volumes.unpublish(id, NODE); // the CO force-detaches the node
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+    // Once it ends, the device is the node's to let go of, and it confirms.
+    w.host.heldElsewhere.delete('/dev/loop0');
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toContain('nothing of it was writable here');
+  });
+
   it('confirms at once when nothing of the volume is writable here (the node rebooted)', async () => {
     const { w, id } = await takenFromNode();
     const rebooted = { ...w, d: { ...w.d, host: new FakeHost(), bootId: 'next-boot' } };

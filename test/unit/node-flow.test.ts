@@ -97,6 +97,29 @@ describe('NodeStageVolume', () => {
     expect(formats(w)).toHaveLength(1);
   });
 
+  it('stages again through the device a pod still has mounted when the staging mount is gone: never a second one', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    // The staging mount goes (unmounted by hand, a lost mount); the pod's bind of it stays.
+    w.host.table.splice(
+      w.host.table.findIndex((m) => m.mountPoint === STAGING),
+      1,
+    );
+    const { code, ops } = await during(w, () => stage(w, id));
+    expect(code).toBe('OK');
+    // The live filesystem is mounted again from its own device: no attach, no check, no format.
+    expect(ops).toEqual([
+      'probe /dev/loop0',
+      `mkdir ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING}`,
+      `thaw ${STAGING}`,
+    ]);
+    expect([...w.host.attached.keys()]).toEqual(['loop0']);
+    expect(new Set(w.host.table.map((m) => m.source))).toEqual(new Set(['/dev/loop0']));
+  });
+
   it('formats a fresh read-only staging through a read-write attachment, then mounts it read-only', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
