@@ -11,6 +11,7 @@ export type FindingKind =
   | 'record-without-image'
   | 'damaged-record'
   | 'damaged-fences'
+  | 'damaged-node-record'
   | 'unfinished-creation'
   | 'quarantined-record'
   | 'stale-lease'

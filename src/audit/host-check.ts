@@ -82,6 +82,16 @@ export async function hostFindings(
     if (here(n.node)) for (const [v, state] of n.freezes) freezes.set(v, state ?? 'asked');
   }
   const leasesOf = new Map<string, Lease[]>(inv.volumes.map((v) => [v.id, v.leases]));
+  // A volume whose fences.json cannot be read may be staged here by a lease nobody can read: all of
+  // its devices count as explained (damaged-fences says what to do). A node of this host whose record
+  // of fences cannot be read may have fenced any of them: gc touches none.
+  const fencesUnknown = new Set(inv.volumes.filter((v) => v.fencesDamaged).map((v) => v.id));
+  const fenceRecordLost = [...inv.nodes.values()].find(
+    (n) => here(n.node) && n.damaged.some((f) => f.endsWith('.fenced')),
+  );
+  const fenceUnknown = fenceRecordLost
+    ? `node ${fenceRecordLost.node}'s record of fenced filesystems cannot be read, so this may be a fence`
+    : undefined;
 
   // Which devices the leases explain, volume by volume.
   const explained = new Set<string>();
@@ -91,6 +101,10 @@ export async function hostFindings(
     byVolume.set(p.image.id, [...(byVolume.get(p.image.id) ?? []), p]);
   }
   for (const [id, loops] of byVolume) {
+    if (fencesUnknown.has(id)) {
+      for (const p of loops) explained.add(p.loop.name);
+      continue;
+    }
     const names = explainedLoops(
       loops.map((p) => p.loop),
       leasesOf.get(id) ?? [],
@@ -177,7 +191,7 @@ export async function hostFindings(
         continue;
       }
       const unsafe =
-        frozen === 'frozen' ? 'it is frozen (unmounting it would leave it frozen for good)' : undefined;
+        frozen === 'frozen' ? 'it is frozen (unmounting it would leave it frozen for good)' : fenceUnknown;
       if (unsafe) mountsRemovable = false;
       findings.push({
         kind: 'leaked-mount',
@@ -187,7 +201,9 @@ export async function hostFindings(
         ...(volumeId ? { volumeId } : {}),
         detail: `${dev} (${what}) is mounted at ${m.mountPoint}, and no lease explains it`,
         action: unsafe
-          ? 'Thaw it first (fsfreeze --unfreeze), then loopvol gc unmounts it.'
+          ? unsafe === fenceUnknown
+            ? 'Repair that record first (see damaged-node-record); then loopvol gc unmounts it.'
+            : 'Thaw it first (fsfreeze --unfreeze), then loopvol gc unmounts it.'
           : 'loopvol gc unmounts it unless something uses it (then stop that first).',
         ...(unsafe
           ? { gcSkipped: unsafe }
@@ -198,6 +214,7 @@ export async function hostFindings(
 
     let skip: string | undefined;
     if (p.image.kind === 'quarantine') skip = 'its image is quarantined: decide about the record first';
+    else if (fenceUnknown) skip = fenceUnknown;
     else if (!mountsRemovable) skip = 'it is still mounted';
     else if (p.mounts.length === 0 && (await host.claimed(dev)))
       skip =

@@ -14,7 +14,7 @@ import { errnoCode } from '../errors.js';
 import { Capacity } from '../pool/capacity.js';
 import { exists, isRecord, listDir, readJson, type RecordRead } from '../pool/fsutil.js';
 import { isGroupSnapshotId, isNodeId, isSnapshotId, isVolumeId } from '../pool/ids.js';
-import { type FencedEntry, isFencedEntry, NodeRegistry } from '../pool/nodes.js';
+import { type FencedEntry, NodeRegistry } from '../pool/nodes.js';
 import { QUARANTINE_NOTE, type Pool } from '../pool/pool.js';
 import { type AnswerState, QuiesceBoard } from '../pool/quiesce.js';
 import { SnapshotStore } from '../pool/snapshots.js';
@@ -90,6 +90,8 @@ export interface NodeInfo {
   fenced: FencedEntry[];
   /** Freeze requests standing for this node, by volume id, with the node's answer so far. */
   freezes: Map<string, AnswerState | undefined>;
+  /** Its files that exist but cannot be read (.fenced, .revoked): the node holds on, safely, until repaired. */
+  damaged: string[];
 }
 
 export interface LockInfo {
@@ -233,8 +235,12 @@ export async function readNodes(
   const infos = await inBatches([...names].sort(), async (node): Promise<NodeInfo> => {
     const record = parseNodeRecord(await readJson(pool.layout.node(node)).catch(() => undefined));
     const heartbeatAgeSeconds = await ageSeconds(pool.layout.nodeAlive(node));
-    const raw = await readJson(pool.layout.nodeFenced(node)).catch(() => undefined);
-    const fenced = (Array.isArray(raw) ? (raw as unknown[]) : []).filter(isFencedEntry);
+    const damaged: string[] = [];
+    const read = await new NodeRegistry(pool.layout).fenced(node, undefined);
+    if (read === 'unreadable') damaged.push(pool.layout.nodeFenced(node));
+    const fenced = read === 'unreadable' ? [] : read;
+    const revocations = await new NodeRegistry(pool.layout).revocations(node).catch(() => undefined);
+    if (revocations === undefined) damaged.push(pool.layout.nodeRevocations(node));
     const requests = await board.requests(node);
     const answers = await board.answers(node);
     const freezes = new Map<string, AnswerState | undefined>();
@@ -246,6 +252,7 @@ export async function readNodes(
       stale: heartbeatAgeSeconds === undefined || heartbeatAgeSeconds > opts.staleSeconds,
       fenced,
       freezes,
+      damaged,
     };
   });
   return new Map(infos.map((n) => [n.node, n]));

@@ -79,11 +79,12 @@ export class NodeRegistry {
   }
 
   /**
-   * The filesystems `node` froze for good (this boot's; an entry of an earlier boot is gone with it).
+   * The filesystems `node` froze for good (boot `bootId`'s, every boot's when undefined; an entry of an
+   * earlier boot is gone with it).
    * 'unreadable' when the record cannot be read: then any filesystem may be a fence, and none may be
    * thawed.
    */
-  async fenced(node: string, bootId: string): Promise<FencedEntry[] | 'unreadable'> {
+  async fenced(node: string, bootId: string | undefined): Promise<FencedEntry[] | 'unreadable'> {
     let raw: unknown;
     try {
       raw = await readJson(this.layout.nodeFenced(node));
@@ -92,7 +93,7 @@ export class NodeRegistry {
     }
     if (raw === undefined) return [];
     if (!Array.isArray(raw) || !raw.every(isFencedEntry)) return 'unreadable';
-    return raw.filter((e) => e.bootId === bootId);
+    return bootId === undefined ? raw : raw.filter((e) => e.bootId === bootId);
   }
 
   async setFenced(node: string, entries: readonly FencedEntry[]): Promise<void> {
@@ -104,8 +105,21 @@ export class NodeRegistry {
    * node's plugin reads this one file every few seconds, fences what it still has, and confirms.
    */
   async revocations(node: string): Promise<string[]> {
-    const raw = await readJson(this.layout.nodeRevocations(node)).catch(() => undefined);
-    return Array.isArray(raw) ? raw.filter((v): v is string => typeof v === 'string' && isVolumeId(v)) : [];
+    const file = this.layout.nodeRevocations(node);
+    let raw: unknown;
+    try {
+      raw = await readJson(file);
+    } catch (err) {
+      throw new Error(`${file} cannot be read; repair it (a JSON list of volume ids) or remove it`, {
+        cause: err,
+      });
+    }
+    if (raw === undefined) return [];
+    // A damaged list is never read as empty, nor rewritten: the revocations in it would be lost for good.
+    if (!Array.isArray(raw) || !raw.every((v) => typeof v === 'string' && isVolumeId(v))) {
+      throw new Error(`${file} is not a list of volume ids; repair it or remove it`);
+    }
+    return raw as string[];
   }
 
   /** Adds (or removes) a volume in `node`'s list of revocations, under that list's lock. */

@@ -126,6 +126,7 @@ const node = (name: string, extra: Partial<NodeInfo> = {}): NodeInfo => ({
   stale: false,
   fenced: [],
   freezes: new Map(),
+  damaged: [],
   ...extra,
 });
 const volume = (id: string, extra: Partial<VolumeInfo> = {}): VolumeInfo => ({
