@@ -14,6 +14,12 @@ export interface FenceFile {
   leases: Record<string, Lease>;
   /** Leases of nodes the volume was detached from while staged (see unpublish). */
   revoked: Record<string, Lease>;
+  /**
+   * Nodes the volume was detached from while not staged there, and when: a NodeStageVolume that was
+   * under way at that moment must not take a lease afterwards (see takeLease). Gone at the next publish
+   * to that node.
+   */
+  detached: Record<string, string>;
 }
 
 export const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
@@ -22,6 +28,12 @@ export const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Rec
 export function parseFenceFile(v: unknown): FenceFile | undefined {
   if (!isRecord(v) || !isRecord(v.attachments) || !isRecord(v.leases)) return undefined;
   if (v.revoked !== undefined && !isRecord(v.revoked)) return undefined;
+  if (v.detached !== undefined && !isRecord(v.detached)) return undefined;
+  const detached: Record<string, string> = {};
+  for (const [node, at] of Object.entries(v.detached ?? {})) {
+    if (typeof at !== 'string') return undefined;
+    detached[node] = at;
+  }
   const attachments: Record<string, Attachment> = {};
   const leases: Record<string, Lease> = {};
   const revoked: Record<string, Lease> = {};
@@ -40,7 +52,7 @@ export function parseFenceFile(v: unknown): FenceFile | undefined {
     if (!parsed || parsed.node !== node) return undefined;
     leases[node] = parsed;
   }
-  return { attachments, leases, revoked };
+  return { attachments, leases, revoked, detached };
 }
 
 export function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {

@@ -55,7 +55,7 @@ export abstract class VolumeFences {
         `The fence record ${this.layout.volumeFences(id)} of volume ${id} cannot be read (${r.reason}); nothing was changed, an operator must repair it.`,
       );
     }
-    return r.state === 'ok' ? r.value : { attachments: {}, leases: {}, revoked: {} };
+    return r.state === 'ok' ? r.value : { attachments: {}, leases: {}, revoked: {}, detached: {} };
   }
 
   private async writeFenceFile(id: string, f: FenceFile): Promise<void> {
@@ -163,7 +163,11 @@ export abstract class VolumeFences {
       // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
       await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
       await writeFileAtomic(this.layout.attachment(id, att.node), json(att));
-      await this.writeFenceFile(id, { ...f, attachments: { ...f.attachments, [att.node]: att } });
+      await this.writeFenceFile(id, {
+        ...f,
+        attachments: { ...f.attachments, [att.node]: att },
+        detached: without(f.detached, new Set([att.node])),
+      });
       return 'created';
     });
   }
@@ -195,9 +199,12 @@ export abstract class VolumeFences {
       // node is unreachable) may still write to it. Its lease is revoked, not removed: other nodes stay
       // out until that node confirms it stopped (it freezes the filesystem) or is seen dead.
       const revoked = { ...f.revoked };
+      const detached = { ...f.detached };
       for (const n of targets) {
         if (!isNodeId(n)) continue;
         const lease = f.leases[n] ?? (await this.legacyLease(id, n));
+        // Not staged there (yet): a stage of that node still under way must not take a lease after this.
+        if (!lease && !(n in revoked)) detached[n] = new Date().toISOString();
         if (lease) {
           revoked[n] = { ...lease, revokedAt: new Date().toISOString() };
           this.log.warn(
@@ -211,6 +218,7 @@ export abstract class VolumeFences {
         attachments: without(f.attachments, gone),
         leases: without(f.leases, gone),
         revoked,
+        detached,
       });
       for (const n of targets) {
         if (!isNodeId(n)) continue;
@@ -278,6 +286,15 @@ export abstract class VolumeFences {
             `Volume ${id} is staged on node ${l.node} since ${l.since}; it must be unstaged there (or unpublished from that node) before node ${lease.node} can stage it.`,
           );
         }
+      }
+      // Checked after the holds of other nodes, which say more.
+      const f0 = await this.readFenceFile(id);
+      const detachedAt = f0.state === 'ok' ? f0.value.detached[lease.node] : undefined;
+      if (detachedAt !== undefined && !(await this.attachments(id)).some((a) => a.node === lease.node)) {
+        // A stage that raced the detach must not take the volume back: the CO publishes to this node again first.
+        throw conflict(
+          `Volume ${id} was detached from node ${lease.node} at ${detachedAt}; publish it to this node again first.`,
+        );
       }
       const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
       if (mine && mine.stagingPath !== lease.stagingPath) return mine;

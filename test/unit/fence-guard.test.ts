@@ -230,6 +230,29 @@ async function agentOf(w: World, keys = new InFlight()) {
   return { guard, board, agent, answered, keys };
 }
 
+describe('a stage that races a detach', () => {
+  const att = {
+    node: NODE,
+    readonly: false,
+    accessType: 'mount' as const,
+    mode: 'SINGLE_NODE_WRITER' as const,
+    since: 'x',
+  };
+
+  it('takes no lease once the volume was detached from its node, until it is published there again', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await w.volumes.publish(id, att, 8); // the CO attaches, kubelet starts NodeStageVolume…
+    await w.volumes.unpublish(id, NODE); // …and the detach lands before the stage takes its lease
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+    expect(await w.volumes.leases(id)).toEqual([]);
+    expect([...w.host.attached.keys()]).toEqual([]);
+    // Published to it again, the node stages as usual.
+    await w.volumes.publish(id, att, 8);
+    expect(await codeOf(stage(w, id))).toBe('OK');
+  });
+});
+
 describe('a lease left by a node on another host', () => {
   /**
    * The volume lived on node-c, which was force-detached and confirmed (its revoked lease stays until
