@@ -138,7 +138,9 @@ async function serve(
       nodes,
       host: kernelHost,
       poolRoot: pool.root,
-      bootId: (await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown')).trim(),
+      bootId: (
+        await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown-boot')
+      ).trim(),
     };
     // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
     // requests are answered.

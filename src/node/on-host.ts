@@ -162,10 +162,11 @@ export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>>
   const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
   for (const l of leases) {
     if (l.node === d.nodeId) continue;
-    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers)
-    // names nothing here: kubelet's staging path is the same on every node, so reading it against
-    // this host's mount table would take this node's own staging for that node's.
-    if (l.bootId !== undefined ? l.bootId !== d.bootId : ownPaths.has(l.stagingPath)) continue;
+    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers, or
+    // another reader) names nothing here. Kubelet's staging path is the same on every node, so reading
+    // it against this host's mount table would take this node's own staging for that node's; a path
+    // this node's own lease names is this node's whatever the boot ids say (they may be unreadable).
+    if ((l.bootId !== undefined && l.bootId !== d.bootId) || ownPaths.has(l.stagingPath)) continue;
     const theirs = stagingLoop(on.loops, l, on.mounts);
     if (theirs) others.add(theirs.name);
   }

@@ -354,22 +354,29 @@ describe('NodeUnstageVolume', () => {
     expect(await during(w, () => unstage(w, id))).toEqual({ code: 'OK', ops: [] });
   });
 
-  it('tears down its own reader staging of a volume other hosts read too (the same kubelet staging path)', async () => {
-    const w = await world();
-    const { id, image } = await newVolume(w);
-    const rox = { mode: 'MULTI_NODE_READER_ONLY' as const };
-    const c = anotherHost(w, 'node-c');
-    expect(await codeOf(stage(c, id, rox))).toBe('OK');
-    w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c formatted it'));
-    expect(await codeOf(stage(w, id, rox))).toBe('OK');
-    expect(await codeOf(publish(w, id, rox, true))).toBe('OK');
-    expect(await codeOf(unpublish(w, id))).toBe('OK');
-    expect(await codeOf(unstage(w, id))).toBe('OK');
-    await expectNothingLeft(w, id);
-    // node-c still reads it, untouched.
-    expect((await w.volumes.lease(id, 'node-c'))?.readonly).toBe(true);
-    expect(c.host.table.filter((m) => m.mountPoint === STAGING)).toHaveLength(1);
-  });
+  it.each([
+    ['its own boot id', false],
+    ['a boot id equal to this one (both unreadable)', true],
+  ])(
+    'tears down its own reader staging of a volume another host, with %s, reads too (the same kubelet staging path)',
+    async (_, sameBoot) => {
+      const w = await world();
+      const { id, image } = await newVolume(w);
+      const rox = { mode: 'MULTI_NODE_READER_ONLY' as const };
+      const other = anotherHost(w, 'node-c');
+      const c = sameBoot ? { ...other, d: { ...other.d, bootId: w.d.bootId } } : other;
+      expect(await codeOf(stage(c, id, rox))).toBe('OK');
+      w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c formatted it'));
+      expect(await codeOf(stage(w, id, rox))).toBe('OK');
+      expect(await codeOf(publish(w, id, rox, true))).toBe('OK');
+      expect(await codeOf(unpublish(w, id))).toBe('OK');
+      expect(await codeOf(unstage(w, id))).toBe('OK');
+      await expectNothingLeft(w, id);
+      // node-c still reads it, untouched.
+      expect((await w.volumes.lease(id, 'node-c'))?.readonly).toBe(true);
+      expect(c.host.table.filter((m) => m.mountPoint === STAGING)).toHaveLength(1);
+    },
+  );
 
   it('thaws a frozen filesystem before unmounting it, so no superblock is left holding the device', async () => {
     const w = await world();
