@@ -83,6 +83,32 @@ export function anotherHost(w: World, nodeId: string): World {
   return { ...w, host, d: { ...w.d, host, nodeId, bootId: `boot-of-${nodeId}` } };
 }
 
+/** ControllerPublishVolume of `id` to `node` (mount, single-node writer), as the controller records it. */
+export const attachTo = (w: World, id: string, node = NODE) =>
+  w.volumes.publish(
+    id,
+    { node, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
+    8,
+  );
+
+/**
+ * A volume staged and published on node-c (another host), force-detached from it (its revoked lease
+ * stays until node-c unstages, which a dead node never does), then published to NODE, whose kernel reads
+ * the bytes node-c's left. Kubelet's staging path is the same on both hosts.
+ */
+export async function takenFromAnotherHost(): Promise<{ w: World; c: World; id: string }> {
+  const w = await world();
+  const { id, image } = await newVolume(w);
+  const c = anotherHost(w, 'node-c');
+  await stage(c, id);
+  await publish(c, id);
+  await c.d.nodes.heartbeat('node-c');
+  await w.volumes.unpublish(id, 'node-c');
+  await attachTo(w, id);
+  w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
+  return { w, c, id };
+}
+
 export const cap = (over: Partial<Capability> = {}): Capability => ({
   accessType: 'mount',
   mode: 'SINGLE_NODE_WRITER',

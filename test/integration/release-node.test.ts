@@ -8,41 +8,21 @@ import { FenceGuard } from '../../src/node/fence.js';
 import { InFlight } from '../../src/server/inflight.js';
 import { runMain } from '../helpers/driver.js';
 import {
-  anotherHost,
   codeOf,
   log,
-  must,
-  newVolume,
-  NODE,
   noCommands,
-  publish,
   removeWorlds,
   stage,
-  type World,
+  takenFromAnotherHost,
   world,
+  type World,
 } from '../helpers/node-world.js';
 
 afterAll(removeWorlds);
 
 const WATCH = '11';
 
-/** A volume staged and published on node-c (another host), force-detached from it, then published to NODE. */
-async function detachedFromDeadNode() {
-  const w = await world();
-  const { id, image } = await newVolume(w);
-  const c = anotherHost(w, 'node-c');
-  await stage(c, id);
-  await publish(c, id);
-  await c.d.nodes.heartbeat('node-c');
-  await w.volumes.unpublish(id, 'node-c');
-  await w.volumes.publish(
-    id,
-    { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
-    8,
-  );
-  w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
-  return { w, c, id };
-}
+const detachedFromDeadNode = takenFromAnotherHost;
 
 const cLease = async (w: World, id: string) => (await w.volumes.leases(id)).find((l) => l.node === 'node-c');
 

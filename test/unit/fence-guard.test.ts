@@ -12,20 +12,20 @@ import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
 import { InFlight } from '../../src/server/inflight.js';
 import { commandError, FakeHost } from '../helpers/fake-host.js';
 import {
+  attachTo,
   codeOf,
   log,
   newVolume,
-  NODE,
   noCommands,
+  NODE,
   publish,
-  anotherHost,
-  must,
   removeWorlds,
   stage,
+  takenFromAnotherHost,
   unpublish,
   unstage,
-  type World,
   world,
+  type World,
 } from '../helpers/node-world.js';
 
 afterAll(removeWorlds);
@@ -231,24 +231,16 @@ async function agentOf(w: World, keys = new InFlight()) {
 }
 
 describe('a stage that races a detach', () => {
-  const att = {
-    node: NODE,
-    readonly: false,
-    accessType: 'mount' as const,
-    mode: 'SINGLE_NODE_WRITER' as const,
-    since: 'x',
-  };
-
   it('takes no lease once the volume was detached from its node, until it is published there again', async () => {
     const w = await world();
     const { id } = await newVolume(w);
-    await w.volumes.publish(id, att, 8); // the CO attaches, kubelet starts NodeStageVolume…
+    await attachTo(w, id); // the CO attaches, kubelet starts NodeStageVolume…
     await w.volumes.unpublish(id, NODE); // …and the detach lands before the stage takes its lease
     expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
     expect(await w.volumes.leases(id)).toEqual([]);
     expect([...w.host.attached.keys()]).toEqual([]);
     // Published to it again, the node stages as usual.
-    await w.volumes.publish(id, att, 8);
+    await attachTo(w, id);
     expect(await codeOf(stage(w, id))).toBe('OK');
   });
 });
@@ -260,23 +252,11 @@ describe('a lease left by a node on another host', () => {
    * same on both hosts.
    */
   async function movedFromAnotherHost() {
-    const w = await world();
-    const { id, image } = await newVolume(w);
-    const c = anotherHost(w, 'node-c');
-    await stage(c, id);
-    await publish(c, id);
-    await w.volumes.unpublish(id, 'node-c');
+    const { w, c, id } = await takenFromAnotherHost();
     const gc = new FenceGuard(c.d, c.pool, new InFlight(), noCommands, log);
     await gc.prepare();
     await gc.round();
     expect((await w.volumes.leases(id)).find((l) => l.node === 'node-c')?.fencedAt).toBeDefined();
-    await w.volumes.publish(
-      id,
-      { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
-      8,
-    );
-    // The image's bytes, as node-c's kernel left them, are what NODE's kernel reads.
-    w.host.content.set(image, must(c.host.content.get(image), 'the image as node-c left it'));
     await stage(w, id);
     await publish(w, id);
     return { w, id };
