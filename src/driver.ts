@@ -42,7 +42,7 @@ import { VolumeStore } from './pool/volumes.js';
 import { buildService, type CallDeps, method, type Methods } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { csiProto } from './server/proto.js';
-import { listen, stop } from './server/server.js';
+import { awaitPredecessor, listen, stop } from './server/server.js';
 import { buildStreamingService, type StreamMethods } from './server/stream.js';
 import { setTelemetry } from './telemetry.js';
 import { driverVersion } from './version.js';
@@ -178,6 +178,9 @@ export async function startDriver(
 ): Promise<RunningDriver> {
   // A node plugin's successor on the same host (a new container) takes over its locks at once.
   const role = servesNode(config) && config.nodeId !== undefined ? `node:${config.nodeId}` : undefined;
+  // Only once its predecessor is gone: one still finishing its calls holds what it works on.
+  const leavePresence =
+    role && config.endpoint.kind === 'unix' ? await awaitPredecessor(config.endpoint.path, log) : undefined;
   const openOptions = { create: config.createPool, lock: role ? { role } : {} };
   const runner = options.runner ?? new ExecRunner();
   const inflight = new InFlight();
@@ -350,6 +353,7 @@ export async function startDriver(
       await serving?.agent?.stop();
       await serving?.guard?.stop();
       if (metrics) setTelemetry(undefined);
+      await leavePresence?.();
     },
   };
 }

@@ -7,8 +7,10 @@ import net from 'node:net';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type DriverArgs, type DriverProcess, runMain } from '../helpers/driver.js';
-import { TestEnv } from '../helpers/env.js';
+import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
+import { isRoot, MiB } from '../helpers/host.js';
+import { createVolume, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -133,6 +135,40 @@ describe('the socket', () => {
     expect(r.stderr).toContain('already serving');
     expect((await first.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
   });
+
+  it.skipIf(!isRoot())(
+    'a successor on the same socket serves only once its predecessor has finished its calls and exited',
+    async () => {
+      const base = await dir('successor');
+      const first = await driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: 'stage:attached:3000' } });
+      const cap = mountCap('ext4');
+      const made = await createVolume(first, `pvc-successor-${Date.now().toString(36)}`, cap, 32 * MiB);
+      const staging = path.join(base, 'staging');
+      const staged = codeOf(stage(first, made.id, staging, cap));
+      expect(await first.waitForLog((l) => l.includes('attached loop device'))).toBe(true);
+      // A DaemonSet rollout: the old container is told to stop while the stage is in flight, and the
+      // new one starts at once. The old one stops listening at once but finishes the stage.
+      first.proc.kill('SIGTERM');
+      let exitedAt = 0;
+      const exited = first.exited.then((c) => {
+        exitedAt = Date.now();
+        return c;
+      });
+      const second = await driver({ dir: base });
+      const readyAt = Date.now();
+      expect(await staged).toBe('OK');
+      expect(await exited).toBe(0);
+      expect(exitedAt).toBeGreaterThan(0);
+      expect(readyAt).toBeGreaterThanOrEqual(exitedAt);
+      expect(await second.waitForLog((l) => l.includes('still finishing its calls'))).toBe(true);
+      // The successor owns the volume now: it tears the staging down.
+      expect(
+        await codeOf(
+          second.clients.node.NodeUnstageVolume({ volume_id: made.id, staging_target_path: staging }),
+        ),
+      ).toBe('OK');
+    },
+  );
 
   it('exits with a one-line reason when the pool directory cannot be used', async () => {
     const base = await dir('badpool');
