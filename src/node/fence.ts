@@ -44,6 +44,7 @@ export const nodeKey = (volumeId: string): string => `node:${volumeId}`;
 export class FenceGuard {
   private fenced: FencedEntry[] | 'unreadable' = [];
   private timer: NodeJS.Timeout | undefined;
+  private beat: NodeJS.Timeout | undefined;
   private running: Promise<void> | undefined;
   private stopped = false;
   private readonly x: Exec;
@@ -79,6 +80,25 @@ export class FenceGuard {
 
   run(): void {
     if (this.stopped) return;
+    // The heartbeat has its own timer: a round busy fencing (fsfreeze flushing a lot to a slow pool,
+    // a lock wait, many volumes) must not look like a node that stopped (release-node, and
+    // --node-fence-seconds, let go of a node whose heartbeat does not change).
+    if (!this.beat) {
+      let writing = false;
+      this.beat = setInterval(() => {
+        if (writing) return; // a write hung on the pool: the heartbeat stops changing, as it should
+        writing = true;
+        this.d.nodes
+          .heartbeat(this.d.nodeId)
+          .catch((err: unknown) => {
+            this.log.warn({ err }, 'could not write the heartbeat; trying again');
+          })
+          .finally(() => {
+            writing = false;
+          });
+      }, HEARTBEAT_MS);
+      this.beat.unref();
+    }
     this.timer = setTimeout(() => {
       this.running = this.round()
         .catch((err: unknown) => {
@@ -95,10 +115,11 @@ export class FenceGuard {
   async stop(): Promise<void> {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
+    if (this.beat) clearInterval(this.beat);
     await this.running;
   }
 
-  /** Heartbeat, then settle every volume taken from this node. */
+  /** Heartbeat (also on its own timer while running), then settle every volume taken from this node. */
   async round(): Promise<void> {
     await this.d.nodes.heartbeat(this.d.nodeId);
     for (const id of await this.d.nodes.revocations(this.d.nodeId)) {

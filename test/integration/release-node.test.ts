@@ -10,7 +10,10 @@ import { runMain } from '../helpers/driver.js';
 import {
   codeOf,
   log,
+  newVolume,
+  NODE,
   noCommands,
+  publish,
   removeWorlds,
   stage,
   takenFromAnotherHost,
@@ -84,4 +87,45 @@ describe('loopvol release-node', () => {
     await guard.round();
     expect(dead.c.host.frozen.size).toBe(1);
   }, 30_000);
+});
+
+describe('loopvol release-node beside a running plugin', () => {
+  it('refuses while the plugin runs, even while its fence round is slow', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    await w.volumes.unpublish(id, NODE); // force-detached while mounted for writing
+    // fsfreeze takes longer than the watch (flushing a busy pod's dirty data to a slow pool).
+    const freeze = w.host.freeze.bind(w.host);
+    let frozeAt = 0;
+    w.host.freeze = async (x, mp) => {
+      await new Promise((r) => setTimeout(r, 13_000));
+      await freeze(x, mp);
+      frozeAt = Date.now();
+    };
+    const guard = new FenceGuard(w.d, w.pool, new InFlight(), noCommands, log);
+    await guard.prepare();
+    guard.run();
+    try {
+      await new Promise((r) => setTimeout(r, 5_500)); // its first round is freezing now
+      const r = await runMain([
+        'release-node',
+        `--node=${NODE}`,
+        '--yes',
+        `--watch-seconds=${WATCH}`,
+        `--pool-dir=${w.root}`,
+      ]);
+      expect(r.code).toBe(1);
+      expect(r.stderr).toContain('heartbeat changed');
+      expect(frozeAt).toBe(0); // the freeze was still under way: releasing would have let a writer in
+      expect((await w.volumes.leases(id)).find((l) => l.node === NODE)?.fencedAt).toBeUndefined();
+    } finally {
+      await guard.stop();
+    }
+    // The node confirmed by itself once its freeze was done.
+    expect((await w.volumes.leases(id)).find((l) => l.node === NODE)?.fencedAt).toContain(
+      'froze its filesystem',
+    );
+  }, 40_000);
 });
