@@ -208,6 +208,17 @@ export class QuiesceAgent {
         if (lease?.accessType === 'block' && loop && !loop.readOnly) {
           return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');
         }
+        // A filesystem holding a device of the volume with no mount this plugin can see (mounted in a
+        // mount namespace that outlived the host's mounts) may be written, and cannot be frozen.
+        for (const l of mine) {
+          if (l.readOnly || this.guard.isFenced(l) || on.mounts.some((m) => loopOfMount(m, [l]))) continue;
+          if (await this.d.host.claimed(l.path)) {
+            return answer(
+              'failed',
+              `a filesystem of the volume is active on ${l.path} with no mount this node plugin can see (another mount namespace); it cannot be frozen`,
+            );
+          }
+        }
         return answer('not-staged', 'not mounted for writing on this node');
       }
       const wloop = mine.find((l) => l.path === writable.source);

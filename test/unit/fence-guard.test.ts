@@ -294,6 +294,24 @@ describe('freezes for copies', () => {
     expect(w.host.ops.some((o) => o.startsWith('thaw'))).toBe(false);
   });
 
+  it('answers failed, never not-staged, while a filesystem of the volume is active in a namespace it cannot see', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    // The host's mounts are gone; a pod's mount namespace still has the filesystem mounted.
+    w.host.table.splice(0, w.host.table.length);
+    w.host.heldElsewhere.add('/dev/loop0');
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    // 'not-staged' would let the controller byte-copy a volume a pod writes.
+    expect(await answered(r)).toMatchObject({
+      state: 'failed',
+      message: /no mount this node plugin can see/,
+    });
+    await agent.stop();
+  });
+
   it('thaws when its time is up even if the answer cannot be written', async () => {
     const w = await world();
     const { id } = await newVolume(w);
