@@ -24,6 +24,7 @@ import {
   classifyAt,
   fencedDevices,
   fencedError,
+  isDeviceBind,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -95,6 +96,26 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // twice, two filesystems on one disk.
   const sameWay = mine.filter((l) => l.readOnly === readOnly);
   const usable = [...sameWay.filter(inUse), ...sameWay.filter((l) => !inUse(l))];
+  // Reused live only by a request of the same kind: a raw block stage never gets a device under a
+  // filesystem (mounted here, or held in a namespace this plugin cannot see), a filesystem stage never
+  // mounts a device a pod uses raw.
+  const live = usable.find(inUse);
+  if (live) {
+    const asFilesystem = on.mounts.some((m) => !isDeviceBind(m) && loopOfMount(m, [live]));
+    if (asFilesystem !== (r.cap.accessType === 'mount')) {
+      throw conflict(
+        `Volume ${r.id} is in use on this node through ${live.path} as ${asFilesystem ? 'a mounted filesystem' : 'a raw block device'}; it cannot be staged as ${asFilesystem ? 'a raw block device' : 'a filesystem'} until that ends.`,
+      );
+    }
+  } else if (r.cap.accessType === 'block') {
+    for (const l of usable) {
+      if (await d.host.claimed(l.path)) {
+        throw conflict(
+          `A filesystem of volume ${r.id} is still active on ${l.path} with no mount on this host (left frozen, or mounted in another mount namespace); it cannot be staged as a raw block device.`,
+        );
+      }
+    }
+  }
   const stale = mine.filter((l) => l.readOnly !== readOnly);
   const busyOne = stale.find(inUse);
   if (busyOne) {

@@ -120,6 +120,20 @@ describe('NodeStageVolume', () => {
     expect(new Set(w.host.table.map((m) => m.source))).toEqual(new Set(['/dev/loop0']));
   });
 
+  it('never stages as raw block a device under a filesystem a pod still has mounted', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    w.host.table.splice(
+      w.host.table.findIndex((m) => m.mountPoint === STAGING),
+      1,
+    );
+    const block = { accessType: 'block' as const, fsType: '' };
+    expect(await during(w, () => stage(w, id, block))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect((await w.volumes.lease(id, NODE))?.accessType).toBe('mount');
+  });
+
   it('formats a fresh read-only staging through a read-write attachment, then mounts it read-only', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
