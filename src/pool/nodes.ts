@@ -5,7 +5,7 @@
  */
 import fs from 'node:fs/promises';
 import os from 'node:os';
-import { isNotFoundErrno } from '../errors.js';
+import { isNotFoundErrno, unsafe } from '../errors.js';
 import { isRecord, listDir, readJson, removeFile, writeFileAtomic } from './fsutil.js';
 import { isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
@@ -106,18 +106,19 @@ export class NodeRegistry {
    */
   async revocations(node: string): Promise<string[]> {
     const file = this.layout.nodeRevocations(node);
+    const repair = `repair it: a JSON list of the ids of the volumes whose fences.json holds a revoked lease of node ${node}`;
     let raw: unknown;
     try {
       raw = await readJson(file);
     } catch (err) {
-      throw new Error(`${file} cannot be read; repair it (a JSON list of volume ids) or remove it`, {
-        cause: err,
-      });
+      throw unsafe(`The list of revocations ${file} cannot be read; nothing was changed, ${repair}.`, err);
     }
     if (raw === undefined) return [];
     // A damaged list is never read as empty, nor rewritten: the revocations in it would be lost for good.
     if (!Array.isArray(raw) || !raw.every((v) => typeof v === 'string' && isVolumeId(v))) {
-      throw new Error(`${file} is not a list of volume ids; repair it or remove it`);
+      throw unsafe(
+        `The list of revocations ${file} is not a list of volume ids; nothing was changed, ${repair}.`,
+      );
     }
     return raw as string[];
   }

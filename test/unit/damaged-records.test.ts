@@ -10,6 +10,7 @@ import { type CheckOptions, recheckHost, runCheck } from '../../src/audit/check.
 import { collectGarbage } from '../../src/audit/gc.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
 import {
+  codeOf,
   log,
   newVolume,
   NODE,
@@ -105,6 +106,12 @@ describe('a damaged record', () => {
     await expect(w.d.nodes.revocations(NODE)).rejects.toThrow(/cannot be read/);
     await expect(w.d.nodes.changeRevocation(w.pool, NODE, b, true)).rejects.toThrow(/cannot be read/);
     expect(await fs.readFile(file, 'utf8')).toBe(`["${a}"`);
+    // A force-detach that cannot record its revocation says so (FAILED_PRECONDITION), as a damaged
+    // fences.json does; the revoked lease it wrote first makes its retry record it once repaired.
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    expect(await codeOf(w.volumes.unpublish(id, NODE))).toBe('FAILED_PRECONDITION');
+    expect((await w.volumes.leases(id)).find((l) => l.node === NODE)?.revokedAt).toBeDefined();
     const check = await runCheck(w.pool, log, w.host, w.x, { ...opts, scope: 'pool' });
     expect(check.findings).toContainEqual(
       expect.objectContaining({ kind: 'damaged-node-record', subject: file, node: NODE }),
