@@ -144,6 +144,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
           id: v.id,
           volumePath: v.volumePath,
           requiredBytes: v.range.requiredBytes,
+          limitBytes: v.range.limitBytes,
         });
         return { capacity_bytes: String(size) };
       },

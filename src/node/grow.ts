@@ -3,7 +3,7 @@
  * must report the device's size and statfs must show more space), never assumed from a tool's exit.
  */
 import path from 'node:path';
-import { broken, conflict, missing } from '../errors.js';
+import { broken, conflict, missing, outsideRange } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
 import { growthSlack, OnlineGrowthUnsupported } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
@@ -45,6 +45,8 @@ export interface ExpandRequest {
   id: string;
   volumePath: string;
   requiredBytes: number;
+  /** 0: no limit. */
+  limitBytes: number;
 }
 
 /** Refreshes the loop devices of the volume to the image's size and grows the filesystem at `volumePath`. */
@@ -64,6 +66,12 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   if (r.requiredBytes > 0 && size < r.requiredBytes) {
     throw conflict(
       `The disk image of volume ${r.id} is ${size} bytes, less than the ${r.requiredBytes} asked for; expand it with ControllerExpandVolume first.`,
+    );
+  }
+  // The size is the image's (ControllerExpandVolume set it): a limit below it is the caller's to fix.
+  if (r.limitBytes > 0 && size > r.limitBytes) {
+    throw outsideRange(
+      `The disk image of volume ${r.id} is ${size} bytes, more than the limit of ${r.limitBytes} bytes; nothing was grown.`,
     );
   }
   if (isDeviceBind(top)) return size;

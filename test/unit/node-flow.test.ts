@@ -714,7 +714,7 @@ describe('NodeExpandVolume', () => {
     await fs.truncate(image, 2 * SIZE);
     let size = 0;
     const { code, ops } = await during(w, async () => {
-      size = await expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 2 * SIZE });
+      size = await expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 2 * SIZE, limitBytes: 0 });
     });
     expect({ code, ops, size }).toEqual({
       code: 'OK',
@@ -724,8 +724,10 @@ describe('NodeExpandVolume', () => {
     expect((await w.host.usage(TARGET)).totalBytes).toBe(2 * SIZE);
   });
 
-  it.each<[string, Partial<Capability>, (w: World) => unknown, number, string]>([
+  it.each<[string, Partial<Capability>, (w: World) => unknown, number, string, number?]>([
     ['the image is smaller than asked for', {}, () => undefined, 4 * SIZE, 'FAILED_PRECONDITION'],
+    // spec.md, NodeExpandVolume errors: a capacity range not allowed is OUT_OF_RANGE.
+    ['the image is larger than the limit', {}, () => undefined, 0, 'OUT_OF_RANGE', SIZE],
     [
       'the volume is mounted read-only',
       { mode: 'SINGLE_NODE_READER_ONLY' },
@@ -743,16 +745,21 @@ describe('NodeExpandVolume', () => {
       'FAILED_PRECONDITION',
     ],
     ['nothing is mounted at the path', {}, (w) => w.host.unmountAll(w.x, TARGET), 0, 'NOT_FOUND'],
-  ])('refuses when %s, leaving the filesystem as it was', async (_what, over, setup, required, code) => {
-    const w = await world();
-    const { id, image } = await newVolume(w);
-    await stage(w, id, over);
-    await publish(w, id, over);
-    await fs.truncate(image, 2 * SIZE);
-    await setup(w);
-    expect(await codeOf(expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: required }))).toBe(
-      code,
-    );
-    expect(w.host.content.get(image)).toEqual({ kind: 'filesystem', type: 'ext4', size: SIZE });
-  });
+  ])(
+    'refuses when %s, leaving the filesystem as it was',
+    async (_what, over, setup, required, code, limit = 0) => {
+      const w = await world();
+      const { id, image } = await newVolume(w);
+      await stage(w, id, over);
+      await publish(w, id, over);
+      await fs.truncate(image, 2 * SIZE);
+      await setup(w);
+      expect(
+        await codeOf(
+          expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: required, limitBytes: limit }),
+        ),
+      ).toBe(code);
+      expect(w.host.content.get(image)).toEqual({ kind: 'filesystem', type: 'ext4', size: SIZE });
+    },
+  );
 });
