@@ -106,9 +106,11 @@ export class VolumeStore extends VolumeFences {
       await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
       await this.pool.refuseQuarantined(`volume ${id}`, id);
       await this.pool.assertPresent();
+      // A preallocated volume takes its blocks now, whatever fills it (a clone or a restore too): it is
+      // admitted against the free space, never against the overcommitted budget.
       const settle = await this.capacity.reserve(
         meta.capacityBytes,
-        meta.allocation === 'preallocate' && !meta.contentSource ? 'preallocate' : 'sparse',
+        meta.allocation === 'preallocate' ? 'preallocate' : 'sparse',
         `volume ${meta.name}`,
       );
       let promisedAfter: number | undefined;

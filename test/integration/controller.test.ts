@@ -475,6 +475,68 @@ describe('capacity', () => {
     await d.stop();
   });
 
+  it('admits a preallocated clone or restore against the free space, never the overcommitted budget', async () => {
+    const base = path.dirname(pool.mountPoint);
+    const d = await driver({
+      dir: base,
+      poolDir: path.join(pool.mountPoint, 'pool'),
+      socket: path.join(base, 'prealloc-clone.sock'),
+      extra: ['--overcommit-ratio=2'],
+    });
+    const src = await d.clients.controller.CreateVolume({
+      name: 'prealloc-src',
+      volume_capabilities: [blockCap()],
+      capacity_range: { required_bytes: String(8 * MiB) },
+    });
+    const srcId = src.volume?.volume_id ?? '';
+    const snap = await d.clients.controller.CreateSnapshot({
+      name: 'prealloc-snap',
+      source_volume_id: srcId,
+    });
+    const preRoom = Number(
+      (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
+        .available_capacity,
+    );
+    // More than the free space, less than the overcommitted budget (twice the free space).
+    const bytes = preRoom + 64 * MiB;
+    expect(bytes).toBeLessThan(await available(d));
+    // The pool must never run full meanwhile: every other volume's writes would fail.
+    let full = false;
+    const stop = new AbortController();
+    const watch = (async () => {
+      while (!stop.signal.aborted) {
+        if ((await fs.statfs(pool.mountPoint)).bavail === 0) full = true;
+        await new Promise((r) => setTimeout(r, 1));
+      }
+    })();
+    const make = (name: string, source: CreateVolumeRequest['volume_content_source']) =>
+      errorOf(
+        d.clients.controller.CreateVolume({
+          name,
+          volume_capabilities: [blockCap()],
+          capacity_range: { required_bytes: String(bytes) },
+          parameters: { allocation: 'preallocate' },
+          volume_content_source: source,
+        }),
+      );
+    const refused = [
+      await make('prealloc-empty', null),
+      await make('prealloc-clone', { volume: { volume_id: srcId } }),
+      await make('prealloc-restore', { snapshot: { snapshot_id: snap.snapshot?.snapshot_id ?? '' } }),
+    ];
+    stop.abort();
+    await watch;
+    // Refused by the reservation (before a block is taken), not by fallocate running out of space.
+    expect({
+      refused: refused.map((e) => `${e.code}: ${/ preallocated, not enough /.test(e.details)}`),
+      full,
+    }).toEqual({ refused: Array(3).fill('RESOURCE_EXHAUSTED: true'), full: false });
+    expect(await fs.readdir(path.join(d.poolDir, 'volumes'))).toEqual([srcId]);
+    await d.clients.controller.DeleteSnapshot({ snapshot_id: snap.snapshot?.snapshot_id ?? '' });
+    await d.clients.controller.DeleteVolume({ volume_id: srcId });
+    await d.stop();
+  });
+
   it('reports no capacity for another pool, and the filesystem minimum', async () => {
     const d = await driver({ dir: await dir('cap2') });
     const other = await d.clients.controller.GetCapacity({
