@@ -13,7 +13,7 @@
  *    Otherwise FAILED_PRECONDITION says why and what to do.
  * Every source of a group is frozen before the first clone and thawed after the last.
  */
-import { conflict } from '../errors.js';
+import { conflict, missing } from '../errors.js';
 import { detached } from '../exec/runner.js';
 import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
 import type { HeldLock } from '../pool/lock.js';
@@ -86,6 +86,10 @@ async function copyHeld<T>(
   locks: readonly HeldLock[],
   fn: (plan: CopyPlan) => Promise<T>,
 ): Promise<T> {
+  // Checked before the locks are taken too, but a DeleteVolume may have finished while they were waited for.
+  for (const volumeId of ids) {
+    if (!(await d.volumes.get(volumeId))) throw missing(`Volume ${volumeId} does not exist.`);
+  }
   const writers: Writer[] = [];
   for (const volumeId of ids) {
     for (const lease of await d.volumes.leases(volumeId)) {
