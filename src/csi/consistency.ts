@@ -19,7 +19,7 @@ import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
 import type { HeldLock } from '../pool/lock.js';
 import type { Pool } from '../pool/pool.js';
 import type { QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
-import type { Lease } from '../pool/types.js';
+import type { Lease, VolumeMeta } from '../pool/types.js';
 import type { VolumeStore } from '../pool/volumes.js';
 import type { CallContext } from '../server/call.js';
 
@@ -54,9 +54,20 @@ interface Hold {
   answer: QuiesceAnswer;
 }
 
+/**
+ * A source as it stands while its lock is held: what a copy records about it (its size, whether a node
+ * has initialized it) is read here, never before the lock, when a first stage may still change it.
+ */
+export interface HeldSource {
+  meta: VolumeMeta;
+  initialized: boolean;
+}
+
 /** The copies made inside `withConsistentSources`: each runs as the plan allows. */
 export interface CopyPlan {
   readonly takenAt: Date;
+  /** One of the sources, read under its lock. */
+  source(volumeId: string): HeldSource;
   copy(volumeId: string, dst: string): Promise<CopyResult>;
 }
 
@@ -86,9 +97,13 @@ async function copyHeld<T>(
   locks: readonly HeldLock[],
   fn: (plan: CopyPlan) => Promise<T>,
 ): Promise<T> {
-  // Checked before the locks are taken too, but a DeleteVolume may have finished while they were waited for.
+  // Checked before the locks are taken too, but a DeleteVolume may have finished while they were waited
+  // for, and a first NodeStageVolume may have initialized a source.
+  const sources = new Map<string, HeldSource>();
   for (const volumeId of ids) {
-    if (!(await d.volumes.get(volumeId))) throw missing(`Volume ${volumeId} does not exist.`);
+    const meta = await d.volumes.get(volumeId);
+    if (!meta) throw missing(`Volume ${volumeId} does not exist.`);
+    sources.set(volumeId, { meta, initialized: await d.volumes.isInitialized(volumeId) });
   }
   const writers: Writer[] = [];
   for (const volumeId of ids) {
@@ -131,6 +146,11 @@ async function copyHeld<T>(
     );
     const plan: CopyPlan = {
       takenAt: new Date(),
+      source: (volumeId) => {
+        const held = sources.get(volumeId);
+        if (!held) throw new Error(`volume ${volumeId} is not a source of this copy`);
+        return held;
+      },
       copy: async (volumeId, dst) => {
         // A byte copy is safe when nothing writes the source, or it stays frozen until the copy ends.
         const allowCopy = !unfrozenWriters.has(volumeId);
@@ -261,16 +281,3 @@ async function releaseAll(ctx: CallContext, d: CopyDeps, holds: readonly Hold[])
 }
 
 const formatMiB = (bytes: number): string => `${Math.round(bytes / 2 ** 20)} MiB`;
-
-/** Copies one volume's image as it stood at one instant. */
-export async function copyAtOneInstant(
-  ctx: CallContext,
-  d: CopyDeps,
-  sourceId: string,
-  dst: string,
-): Promise<Date> {
-  return withConsistentSources(ctx, d, [sourceId], async (plan) => {
-    await plan.copy(sourceId, dst);
-    return plan.takenAt;
-  });
-}

@@ -3,7 +3,7 @@
  * idempotent by name and crash-safe (see pool/volumes.ts). Sizes: the request rounded up to a MiB, at
  * least the filesystem's minimum and the source's size, within the limit, or OUT_OF_RANGE.
  */
-import { alreadyExists, invalidArgument, notFound, outOfRange, resourceExhausted } from '../errors.js';
+import { alreadyExists, busy, invalidArgument, notFound, outOfRange, resourceExhausted } from '../errors.js';
 import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSource.js';
 import { formatBytes } from '../pool/capacity.js';
 import { isSnapshotId, isVolumeId, volumeIdForName } from '../pool/ids.js';
@@ -24,7 +24,7 @@ import type { FillResult } from '../pool/volumes.js';
 import { method, type Method } from '../server/call.js';
 import type { CreateVolumeRequest__Output } from '../gen/csi/v1/CreateVolumeRequest.js';
 import type { CreateVolumeResponse } from '../gen/csi/v1/CreateVolumeResponse.js';
-import { copyAtOneInstant } from './consistency.js';
+import { withConsistentSources } from './consistency.js';
 import type { ControllerDeps } from './controller.js';
 import { volumeMessage } from './messages.js';
 import { parseMutableParameters, parseVolumeParameters } from './parameters.js';
@@ -152,7 +152,8 @@ export function createVolumeMethod(
           `This driver provisions in ${TOPOLOGY_KEY}=${poolName}, which the accessibility requirements exclude.`,
         );
       }
-      // Resolve the content source (NOT_FOUND when absent).
+      // Resolve the content source (NOT_FOUND when absent). A source volume is read again under its lock,
+      // before it is copied: what is decided here from it must still hold then.
       let sourceBytes: number | undefined;
       let sourceImage: string | undefined;
       let sourceInitialized = false;
@@ -255,7 +256,23 @@ export function createVolumeMethod(
             ctx.log.info({ snapshot: v.source?.id, how: res.method }, 'restored snapshot image');
           });
         } else if (v.source?.kind === 'volume') {
-          await copyAtOneInstant(ctx, d, v.source.id, image);
+          const id = v.source.id;
+          await withConsistentSources(ctx, d, [id], async (plan) => {
+            // A first NodeStageVolume (or an expansion) while this waited for the lock changes what the
+            // copy holds: the size, filesystem and "initialized" chosen above would no longer fit it.
+            const held = plan.source(id);
+            const heldFs = held.initialized ? await imageHolds(ctx, volumes.imagePath(id)) : undefined;
+            if (
+              held.meta.capacityBytes !== sourceBytes ||
+              held.initialized !== sourceInitialized ||
+              heldFs !== sourceFs
+            ) {
+              throw busy(
+                `Volume ${id} was staged, written or expanded while this clone of it waited for it; retry.`,
+              );
+            }
+            await plan.copy(id, image);
+          });
         } else {
           await createSparseImage(image, size);
         }

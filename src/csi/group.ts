@@ -112,22 +112,28 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
         const takenAt = await withConsistentSources(ctx, d, v.sources, async (plan) => {
           const at = plan.takenAt;
           for (const [i, src] of sources.entries()) {
+            const held = plan.source(src.id); // as it stands now that it is locked
             const member: SnapshotMeta = {
               format: 1,
               id: memberIds[i] ?? '',
               name: memberName(v.id, src.id),
               state: 'creating',
               sourceVolumeId: src.id,
-              sizeBytes: src.capacityBytes,
-              fsType: src.fsType,
-              initialized: await volumes.isInitialized(src.id),
+              sizeBytes: held.meta.capacityBytes,
+              fsType: held.meta.fsType,
+              initialized: held.initialized,
               parameters: v.parameters,
               groupSnapshotId: v.id,
               createdAt: at.toISOString(),
             };
             await snapshots.create(member, async (image) => {
               await plan.copy(src.id, image);
-              return { takenAt: at, sizeBytes: src.capacityBytes };
+              return {
+                takenAt: at,
+                sizeBytes: held.meta.capacityBytes,
+                fsType: held.meta.fsType,
+                initialized: held.initialized,
+              };
             });
           }
           return at;

@@ -8,7 +8,7 @@ import type { ControllerHandlers } from '../gen/csi/v1/Controller.js';
 import { isSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
 import type { SnapshotMeta } from '../pool/types.js';
 import { method, type Methods } from '../server/call.js';
-import { copyAtOneInstant } from './consistency.js';
+import { withConsistentSources } from './consistency.js';
 import type { ControllerDeps } from './controller.js';
 import { snapshotMessage } from './messages.js';
 import { K8S_PREFIX } from './parameters.js';
@@ -54,6 +54,7 @@ export function snapshotMethods(
           }
           return { snapshot: snapshotMessage(existing) };
         }
+        // An early answer; what the snapshot records of its source is read again under the source's lock.
         const src = isVolumeId(v.source) ? await volumes.get(v.source) : undefined;
         if (!src) throw notFound(`Volume ${v.source} does not exist.`);
         const meta: SnapshotMeta = {
@@ -64,15 +65,23 @@ export function snapshotMethods(
           sourceVolumeId: v.source,
           sizeBytes: src.capacityBytes,
           fsType: src.fsType,
-          initialized: await volumes.isInitialized(v.source),
+          initialized: false,
           parameters: v.parameters,
           groupSnapshotId: '',
           createdAt: new Date().toISOString(),
         };
-        const { snapshot, created } = await snapshots.create(meta, async (image) => {
-          const takenAt = await copyAtOneInstant(ctx, d, v.source, image);
-          return { takenAt, sizeBytes: (await fs.stat(image)).size };
-        });
+        const { snapshot, created } = await snapshots.create(meta, (image) =>
+          withConsistentSources(ctx, d, [v.source], async (plan) => {
+            const held = plan.source(v.source);
+            await plan.copy(v.source, image);
+            return {
+              takenAt: plan.takenAt,
+              sizeBytes: (await fs.stat(image)).size,
+              fsType: held.meta.fsType,
+              initialized: held.initialized,
+            };
+          }),
+        );
         if (!created && snapshot.sourceVolumeId !== v.source) {
           throw alreadyExists(
             `A snapshot named ${JSON.stringify(v.name)} already exists, of volume ${snapshot.sourceVolumeId}.`,

@@ -19,6 +19,14 @@ import {
   type SnapshotMeta,
 } from './types.js';
 
+/** What a snapshot's copy found: the instant it stands for, and its source as it was then. */
+export interface CopiedSource {
+  takenAt: Date;
+  sizeBytes: number;
+  fsType: SnapshotMeta['fsType'];
+  initialized: boolean;
+}
+
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 const LIST_BATCH = 256;
 
@@ -72,11 +80,13 @@ export class SnapshotStore {
 
   /**
    * Creates the snapshot `meta` describes, or returns the complete one already under its id. `copy`
-   * writes the image at the path it is given and returns the instant it stands for and its size.
+   * writes the image at the path it is given and returns the instant it stands for, and what it found
+   * of its source while holding it (its size, filesystem, and whether it was initialized), which the
+   * record keeps in place of what `meta` guessed before.
    */
   async create(
     meta: SnapshotMeta,
-    copy: (imagePath: string, lock: HeldLock) => Promise<{ takenAt: Date; sizeBytes: number }>,
+    copy: (imagePath: string, lock: HeldLock) => Promise<CopiedSource>,
   ): Promise<{ snapshot: SnapshotMeta; created: boolean }> {
     const { id } = meta;
     return this.pool.withLock(id, 'CreateSnapshot', async (lock) => {
@@ -92,12 +102,19 @@ export class SnapshotStore {
         await fsyncDir(this.layout.snapshotsDir);
         await writeFileAtomic(this.layout.snapshotMeta(id), json({ ...meta, state: 'creating' }));
         const partial = this.layout.snapshotImageTemp(id);
-        const { takenAt, sizeBytes } = await copy(partial, lock);
+        const { takenAt, sizeBytes, fsType, initialized } = await copy(partial, lock);
         failpoint('create-snapshot:image-written');
         lock.assertHeld();
         await fs.rename(partial, this.layout.snapshotImage(id));
         await fsyncDir(dir);
-        const ready: SnapshotMeta = { ...meta, state: 'ready', sizeBytes, createdAt: takenAt.toISOString() };
+        const ready: SnapshotMeta = {
+          ...meta,
+          state: 'ready',
+          sizeBytes,
+          fsType,
+          initialized,
+          createdAt: takenAt.toISOString(),
+        };
         await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));
         return { snapshot: ready, created: true };
       } catch (err) {

@@ -3,15 +3,18 @@
  * what else happens to their sources while they wait for the sources' pool locks, or while they copy:
  * what they find under the locks is what counts. In-process, on a real pool (cp and blkid on files).
  */
+import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
 import {
   type ControllerWorld,
   controllerWorld,
+  fromSnapshot,
   fromVolume,
+  mountCapability,
   removeControllerWorlds,
   volumeIdOf,
 } from '../helpers/controller-world.js';
-import { codeOf } from '../helpers/node-world.js';
+import { codeOf, MiB } from '../helpers/node-world.js';
 
 afterAll(removeControllerWorlds);
 
@@ -58,5 +61,55 @@ describe('a source volume deleted while a copy of it waits for its lock', () => 
   });
   it('CreateVolumeGroupSnapshot answers NOT_FOUND', async () => {
     expect(await deletedMeanwhile((w, id) => w.CreateVolumeGroupSnapshot('group', [id]))).toBe('NOT_FOUND');
+  });
+});
+
+describe('a copy of a volume whose first stage happens while the copy waits for its lock', () => {
+  /**
+   * A raw block volume, never staged; a node takes its lock for a first NodeStageVolume just as the copy
+   * begins, marks it initialized, and its pod writes raw data (no filesystem signature).
+   */
+  const firstStageMeanwhile = async (copy: (w: ControllerWorld, id: string) => Promise<unknown>) => {
+    const w = await controllerWorld();
+    const id = volumeIdOf(await w.CreateVolume('raw-src'));
+    const code = await whileItWaits(
+      w,
+      id,
+      () => copy(w, id),
+      async () => {
+        await w.volumes.markInitialized(id, 'node n1 (raw block)');
+        const h = await fs.open(w.volumes.imagePath(id), 'r+');
+        await h.write(Buffer.alloc(MiB, 0x5a), 0, MiB, 64 * 1024);
+        await h.close();
+      },
+    );
+    return { w, id, code };
+  };
+
+  it('a snapshot records it initialized, so restoring its raw data as a filesystem is refused', async () => {
+    const { w, code } = await firstStageMeanwhile((w, id) => w.CreateSnapshot('snap', id));
+    const [snap] = (await w.snapshots.list(undefined, 0, () => true)).snapshots;
+    // Recorded "never initialized", the restore would be made a filesystem volume that its first stage
+    // formats: the restored data destroyed.
+    const restore = await codeOf(
+      w.CreateVolume('restored', { caps: [mountCapability()], source: fromSnapshot(snap?.id ?? '') }),
+    );
+    expect({ code, initialized: snap?.initialized, restore }).toEqual({
+      code: 'OK',
+      initialized: true,
+      restore: 'INVALID_ARGUMENT',
+    });
+  });
+
+  it('a clone decided on the volume as it was is not made; its retry sees the raw data', async () => {
+    const clone = (w: ControllerWorld, id: string) =>
+      w.CreateVolume('clone', { caps: [mountCapability()], source: fromVolume(id) });
+    const { w, id, code } = await firstStageMeanwhile(clone);
+    const retry = await codeOf(clone(w, id));
+    expect({ code, retry, volumes: (await w.volumes.list(undefined, 0)).volumes.map((v) => v.id) }).toEqual({
+      code: 'ABORTED',
+      retry: 'INVALID_ARGUMENT',
+      volumes: [id],
+    });
   });
 });
