@@ -109,36 +109,58 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
           createdAt: new Date().toISOString(),
         };
         await snapshots.writeGroup(group);
-        const takenAt = await withConsistentSources(ctx, d, v.sources, async (plan) => {
-          const at = plan.takenAt;
-          for (const [i, src] of sources.entries()) {
-            const held = plan.source(src.id); // as it stands now that it is locked
-            const member: SnapshotMeta = {
-              format: 1,
-              id: memberIds[i] ?? '',
-              name: memberName(v.id, src.id),
-              state: 'creating',
-              sourceVolumeId: src.id,
-              sizeBytes: held.meta.capacityBytes,
-              fsType: held.meta.fsType,
-              initialized: held.initialized,
-              parameters: v.parameters,
-              groupSnapshotId: v.id,
-              createdAt: at.toISOString(),
-            };
-            await snapshots.create(member, async (image) => {
-              await plan.copy(src.id, image);
-              return {
-                takenAt: at,
+        // The members stay "creating" (unlisted, not restorable) until the copy is known to be good:
+        // withConsistentSources checks that every freeze held until the last copy ended, after them.
+        let takenAt = group.createdAt;
+        try {
+          const made = await withConsistentSources(ctx, d, v.sources, async (plan) => {
+            const at = plan.takenAt;
+            const copied: SnapshotMeta[] = [];
+            for (const [i, src] of sources.entries()) {
+              const held = plan.source(src.id); // as it stands now that it is locked
+              const member: SnapshotMeta = {
+                format: 1,
+                id: memberIds[i] ?? '',
+                name: memberName(v.id, src.id),
+                state: 'creating',
+                sourceVolumeId: src.id,
                 sizeBytes: held.meta.capacityBytes,
                 fsType: held.meta.fsType,
                 initialized: held.initialized,
+                parameters: v.parameters,
+                groupSnapshotId: v.id,
+                createdAt: at.toISOString(),
               };
-            });
-          }
-          return at;
-        });
-        const ready: GroupSnapshotMeta = { ...group, state: 'ready', createdAt: takenAt.toISOString() };
+              const { snapshot } = await snapshots.create(
+                member,
+                async (image) => {
+                  await plan.copy(src.id, image);
+                  return {
+                    takenAt: at,
+                    sizeBytes: held.meta.capacityBytes,
+                    fsType: held.meta.fsType,
+                    initialized: held.initialized,
+                  };
+                },
+                { ready: false },
+              );
+              copied.push(snapshot);
+            }
+            takenAt = at.toISOString();
+            return copied;
+          });
+          for (const member of made) await snapshots.markReady(member);
+        } catch (err) {
+          // Nothing of a failed group is kept: its members are copies nobody may use.
+          await snapshots.deleteGroup(v.id, memberIds).catch((cleanupErr: unknown) => {
+            ctx.log.error(
+              { groupSnapshotId: v.id, err: cleanupErr },
+              'could not remove a failed group snapshot',
+            );
+          });
+          throw err;
+        }
+        const ready: GroupSnapshotMeta = { ...group, state: 'ready', createdAt: takenAt };
         await snapshots.writeGroup(ready);
         ctx.log.info({ groupSnapshotId: v.id, members: memberIds.length }, 'created group snapshot');
         return { group_snapshot: await groupMessage(ready) };

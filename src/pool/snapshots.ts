@@ -6,9 +6,9 @@
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
-import { invalid, missing } from '../errors.js';
+import { busy, invalid, missing } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import { fsyncDir, listDir, readRecord, type RecordRead, writeFileAtomic } from './fsutil.js';
+import { exists, fsyncDir, listDir, readRecord, type RecordRead, writeFileAtomic } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId } from './ids.js';
 import type { HeldLock } from './lock.js';
 import { damagedRecord, type Pool } from './pool.js';
@@ -83,10 +83,14 @@ export class SnapshotStore {
    * writes the image at the path it is given and returns the instant it stands for, and what it found
    * of its source while holding it (its size, filesystem, and whether it was initialized), which the
    * record keeps in place of what `meta` guessed before.
+   *
+   * With `ready: false` the complete snapshot stays "creating" (never listed, never restored) until
+   * `markReady`: a group snapshot's members wait until the group's copy is known to be good.
    */
   async create(
     meta: SnapshotMeta,
     copy: (imagePath: string, lock: HeldLock) => Promise<CopiedSource>,
+    { ready: makeReady = true }: { ready?: boolean } = {},
   ): Promise<{ snapshot: SnapshotMeta; created: boolean }> {
     const { id } = meta;
     return this.pool.withLock(id, 'CreateSnapshot', async (lock) => {
@@ -109,7 +113,7 @@ export class SnapshotStore {
         await fsyncDir(dir);
         const ready: SnapshotMeta = {
           ...meta,
-          state: 'ready',
+          state: makeReady ? 'ready' : 'creating',
           sizeBytes,
           fsType,
           initialized,
@@ -123,6 +127,25 @@ export class SnapshotStore {
         });
         throw err;
       }
+    });
+  }
+
+  /** Makes a snapshot that `create` left complete but "creating" (`ready: false`) ready. */
+  async markReady(made: SnapshotMeta): Promise<SnapshotMeta> {
+    const { id } = made;
+    return this.pool.withLock(id, 'CreateSnapshot', async () => {
+      const record = await this.inspect(id);
+      const now = record.state === 'ok' ? record.value : undefined;
+      if (
+        now?.state !== 'creating' ||
+        now.createdAt !== made.createdAt ||
+        !(await exists(this.layout.snapshotImage(id)))
+      ) {
+        throw busy(`Snapshot ${id} was changed by another call while it was being made; retry.`);
+      }
+      const ready: SnapshotMeta = { ...now, state: 'ready' };
+      await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));
+      return ready;
     });
   }
 

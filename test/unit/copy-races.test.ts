@@ -5,6 +5,7 @@
  */
 import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
+import type { QuiesceAnswer } from '../../src/pool/quiesce.js';
 import {
   type ControllerWorld,
   controllerWorld,
@@ -13,6 +14,7 @@ import {
   mountCapability,
   removeControllerWorlds,
   volumeIdOf,
+  writerLease,
 } from '../helpers/controller-world.js';
 import { codeOf, MiB } from '../helpers/node-world.js';
 
@@ -110,6 +112,64 @@ describe('a copy of a volume whose first stage happens while the copy waits for 
       code: 'ABORTED',
       retry: 'INVALID_ARGUMENT',
       volumes: [id],
+    });
+  });
+});
+
+describe('a group snapshot whose freeze ended before its copy did', () => {
+  it('fails, and no member is ever listed as ready, then or after', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    const b = volumeIdOf(await w.CreateVolume('gb', { caps: [mountCapability()] }));
+    // Node n1 has `a` staged for writing: the controller asks n1 to freeze it for the copy.
+    await w.volumes.takeLease(a, writerLease('n1'));
+    const listed = async () => (await w.snapshots.list(undefined, 0, () => true)).snapshots.map((s) => s.id);
+    // n1 answers "frozen", but its freeze runs out (thawed by the node's clock) once the members are
+    // copied, before the controller's last look: the copies may hold writes made after the instant.
+    let copies = 0;
+    const create = w.snapshots.create.bind(w.snapshots);
+    w.snapshots.create = (meta, copy, opts) =>
+      create(
+        meta,
+        async (image, lock) => {
+          const r = await copy(image, lock);
+          copies++;
+          return r;
+        },
+        opts,
+      );
+    const seenAtLastLook: string[][] = [];
+    w.d.board.answer = async (_node, req): Promise<QuiesceAnswer> => {
+      if (copies < 2) return { volumeId: req.volumeId, state: 'frozen', message: 'frozen' };
+      seenAtLastLook.push(await listed());
+      return { volumeId: req.volumeId, state: 'expired', message: 'thawed when its time was up' };
+    };
+    const code = await codeOf(w.CreateVolumeGroupSnapshot('g1', [a, b]));
+    expect({
+      code,
+      copies,
+      seenAtLastLook: seenAtLastLook[0],
+      listedAfter: await listed(),
+      left: await fs.readdir(w.pool.layout.snapshotsDir),
+    }).toEqual({ code: 'FAILED_PRECONDITION', copies: 2, seenAtLastLook: [], listedAfter: [], left: [] });
+  });
+
+  it('whose freezes held, is ready with every member listed', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    await w.volumes.takeLease(a, writerLease('n1'));
+    w.d.board.answer = (_node, req): Promise<QuiesceAnswer> =>
+      Promise.resolve({ volumeId: req.volumeId, state: 'frozen', message: 'frozen' });
+    const res = await w.CreateVolumeGroupSnapshot('g1', [a]);
+    const listed = (await w.snapshots.list(undefined, 0, () => true)).snapshots;
+    expect({
+      ready: res.group_snapshot?.ready_to_use,
+      members: res.group_snapshot?.snapshots?.map((m) => m.snapshot_id),
+      listed: listed.map((m) => [m.id, m.sourceVolumeId]),
+    }).toEqual({
+      ready: true,
+      members: listed.map((m) => m.id),
+      listed: [[expect.any(String), a]],
     });
   });
 });
