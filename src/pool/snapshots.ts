@@ -122,6 +122,9 @@ export class SnapshotStore {
         await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));
         return { snapshot: ready, created: true };
       } catch (err) {
+        // With the lock lost, another process may own this snapshot now (and have finished it): what is
+        // left is that process's, or the next holder's, to clear.
+        if (lock.signal.aborted) throw err;
         await this.pool.discard(dir).catch((cleanupErr: unknown) => {
           this.log.error({ snapshotId: id, err: cleanupErr }, 'could not remove a failed snapshot');
         });

@@ -136,6 +136,9 @@ export class VolumeStore extends VolumeFences {
         promisedAfter = Math.max(0, meta.capacityBytes - (await allocatedBytes(this.layout.volumeImage(id))));
         return { volume: ready, created: true };
       } catch (err) {
+        // With the lock lost, another process may own this volume now (and have finished it): what is
+        // left is that process's, or the next holder's, to clear.
+        if (lock.signal.aborted) throw err;
         await this.pool.discard(dir).catch((cleanupErr: unknown) => {
           this.log.error({ volumeId: id, err: cleanupErr }, 'could not remove a failed volume creation');
         });

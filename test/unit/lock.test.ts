@@ -4,7 +4,13 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
+import { Capacity } from '../../src/pool/capacity.js';
+import { volumeIdForName } from '../../src/pool/ids.js';
 import { isHeld, LockManager } from '../../src/pool/lock.js';
+import { NodeRegistry } from '../../src/pool/nodes.js';
+import { Pool } from '../../src/pool/pool.js';
+import type { VolumeMeta } from '../../src/pool/types.js';
+import { VolumeStore } from '../../src/pool/volumes.js';
 import { REPO, tempDir } from '../helpers/driver.js';
 
 const dirs: string[] = [];
@@ -144,5 +150,53 @@ describe('LockManager', () => {
   it('refuses keys that are not safe file names', async () => {
     const locks = new LockManager('/tmp', log);
     await expect(locks.tryAcquire('../etc/passwd', 'x')).rejects.toThrow(/bad lock key/);
+  });
+});
+
+describe('work under a lock that is lost', () => {
+  it('leaves what it made to whoever took the lock over, instead of discarding it', async () => {
+    const dir = await tempDir('lost-lock');
+    dirs.push(dir);
+    const pool = await Pool.open(dir, 'test', log, { create: true, lock: { heartbeatMs: 20 } });
+    const volumes = new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log);
+    const id = volumeIdForName('pv-lost');
+    const now = new Date().toISOString();
+    const meta: VolumeMeta = {
+      format: 1,
+      id,
+      name: 'pv-lost',
+      state: 'creating',
+      capacityBytes: 2 ** 20,
+      fsType: 'ext4',
+      allocation: 'sparse',
+      capabilities: [],
+      parameters: {},
+      mutableParameters: {},
+      requiredBytes: 2 ** 20,
+      limitBytes: 0,
+      contentSource: null,
+      labels: {},
+      pool: 'test',
+      createdAt: now,
+      updatedAt: now,
+    };
+    const created = volumes.create(meta, async (_image, lock) => {
+      // Another process takes the lock over (this one was cut off from the pool for a lease), and
+      // finishes the volume itself.
+      await fs.writeFile(path.join(pool.layout.locksDir, `${id}.lock`), '{}');
+      await new Promise<void>((resolve) => {
+        lock.signal.addEventListener('abort', () => {
+          resolve();
+        });
+      });
+      await fs.writeFile(pool.layout.volumeImage(id), '');
+      await fs.writeFile(pool.layout.volumeMeta(id), JSON.stringify({ ...meta, state: 'ready' }));
+      throw new Error('the copy stopped: its lock was lost');
+    });
+    await expect(created).rejects.toThrow(/lock was lost/);
+    expect(JSON.parse(await fs.readFile(pool.layout.volumeMeta(id), 'utf8'))).toMatchObject({
+      state: 'ready',
+    });
+    await fs.stat(pool.layout.volumeImage(id));
   });
 });
