@@ -58,6 +58,14 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   const top = on.mounts.filter((m) => m.mountPoint === p).at(-1);
   const loop = top ? loopOfMount(top, on.loops) : undefined;
   if (!top || !loop) throw missing(`Volume ${r.id} is not staged or published at ${r.volumePath}.`);
+  // The size is the image's (ControllerExpandVolume set it): a limit below it is the caller's to fix,
+  // checked before any device is refreshed (for a raw block volume that refresh is the growth).
+  const imageBytes = await d.host.fileSizeOf(on.image);
+  if (r.limitBytes > 0 && imageBytes > r.limitBytes) {
+    throw outsideRange(
+      `The disk image of volume ${r.id} is ${imageBytes} bytes, more than the limit of ${r.limitBytes} bytes; nothing was grown.`,
+    );
+  }
   let size = loop.sizeBytes;
   for (const l of on.loops) {
     const refreshed = await d.host.refreshSize(x, l);
@@ -66,12 +74,6 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   if (r.requiredBytes > 0 && size < r.requiredBytes) {
     throw conflict(
       `The disk image of volume ${r.id} is ${size} bytes, less than the ${r.requiredBytes} asked for; expand it with ControllerExpandVolume first.`,
-    );
-  }
-  // The size is the image's (ControllerExpandVolume set it): a limit below it is the caller's to fix.
-  if (r.limitBytes > 0 && size > r.limitBytes) {
-    throw outsideRange(
-      `The disk image of volume ${r.id} is ${size} bytes, more than the limit of ${r.limitBytes} bytes; nothing was grown.`,
     );
   }
   if (isDeviceBind(top)) return size;

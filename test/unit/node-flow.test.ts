@@ -724,6 +724,20 @@ describe('NodeExpandVolume', () => {
     expect((await w.host.usage(TARGET)).totalBytes).toBe(2 * SIZE);
   });
 
+  it('refuses a limit below the image without growing a raw block device (its refresh is the growth)', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    const block = { accessType: 'block' as const, fsType: '' };
+    await stage(w, id, block);
+    await publish(w, id, block);
+    await fs.truncate(image, 2 * SIZE); // ControllerExpandVolume grew the image
+    const { code, ops } = await during(w, () =>
+      expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 0, limitBytes: SIZE }),
+    );
+    expect({ code, ops }).toEqual({ code: 'OUT_OF_RANGE', ops: [] });
+    expect([...w.host.attached.values()].map((l) => l.sizeBytes)).toEqual([SIZE]);
+  });
+
   it.each<[string, Partial<Capability>, (w: World) => unknown, number, string, number?]>([
     ['the image is smaller than asked for', {}, () => undefined, 4 * SIZE, 'FAILED_PRECONDITION'],
     // spec.md, NodeExpandVolume errors: a capacity range not allowed is OUT_OF_RANGE.
