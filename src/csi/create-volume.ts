@@ -7,7 +7,7 @@ import { alreadyExists, busy, invalidArgument, notFound, outOfRange, resourceExh
 import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSource.js';
 import { formatBytes } from '../pool/capacity.js';
 import { isSnapshotId, isVolumeId, volumeIdForName } from '../pool/ids.js';
-import { copyImage, createSparseImage, growImage, preallocate } from '../pool/images.js';
+import { copyImage, createSparseImage, growImage, ownBlocks, preallocate } from '../pool/images.js';
 import type { Exec } from '../exec/runner.js';
 import { probeDevice } from '../host/filesystem.js';
 import {
@@ -245,6 +245,7 @@ export function createVolumeMethod(
       };
       const preallocated = v.allocation === 'preallocate';
       const fill = async (image: string): Promise<FillResult> => {
+        const copied = { shared: false }; // its blocks are shared with its source (a reflink)
         if (v.source?.kind === 'snapshot' && sourceSnapshot) {
           // Held while it is read: a DeleteSnapshot meanwhile waits (or is ABORTED), never tears the copy.
           await snapshots.holding(sourceSnapshot.id, 'restore', async (_snap, lock) => {
@@ -254,6 +255,7 @@ export function createVolumeMethod(
               purpose: 'restore',
             });
             ctx.log.info({ snapshot: v.source?.id, how: res.method }, 'restored snapshot image');
+            copied.shared = res.method === 'reflink';
           });
         } else if (v.source?.kind === 'volume') {
           const id = v.source.id;
@@ -271,11 +273,14 @@ export function createVolumeMethod(
                 `Volume ${id} was staged, written or expanded while this clone of it waited for it; retry.`,
               );
             }
-            await plan.copy(id, image);
+            copied.shared = (await plan.copy(id, image)).method === 'reflink';
           });
         } else {
           await createSparseImage(image, size);
         }
+        // A preallocated volume owns its blocks: a reflinked copy's are shared with its source until
+        // written, so they are made its own (outside the source's lock and freeze) before the rest is reserved.
+        if (preallocated && copied.shared) await ownBlocks(ctx, image);
         await growImage(ctx, image, size, false);
         if (preallocated) await preallocate(ctx, image, 0, size);
         return { initialized: sourceInitialized };

@@ -72,6 +72,28 @@ export async function growImage(x: Exec, file: string, size: number, preallocate
   }
 }
 
+/**
+ * Makes every block of `file` its own: a reflinked file shares its extents with its source until they
+ * are written, so a pool that fills up makes its writes fail (ENOSPC) however it was preallocated. It
+ * is rewritten by a byte copy beside it (every block written, none shared), synced and renamed over it.
+ * Only for a file nobody else uses yet (a new volume's image before it is ready).
+ */
+export async function ownBlocks(x: Exec, file: string, signal?: AbortSignal): Promise<void> {
+  const own = `${file}.own`;
+  await fs.rm(own, { force: true });
+  try {
+    await x.run('cp', ['--sparse=never', '--reflink=never', '--no-preserve=all', '--', file, own], {
+      detached: true,
+      timeoutMs: COPY_TIMEOUT_MS,
+      ...(signal ? { signal } : {}),
+    });
+    await syncFile(own);
+    await fs.rename(own, file);
+  } finally {
+    await fs.rm(own, { force: true });
+  }
+}
+
 /** errno codes that mean "this filesystem cannot clone these files by reflink". */
 export const NO_REFLINK = new Set(['ENOTSUP', 'EOPNOTSUPP', 'EXDEV', 'EINVAL', 'ENOSYS', 'ENOTTY', 'EBADF']);
 
