@@ -69,6 +69,18 @@ export interface CallDeps {
 
 type UnaryHandler<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
+const REQUEST_ID_PREFIX = randomBytes(4).toString('hex');
+let requestSeq = 0;
+
+/**
+ * A call's id for its log lines: unique in this process (a counter), and told apart from other
+ * processes' and restarts' by a random prefix drawn once (cheaper than random bytes per call).
+ */
+export function requestId(): string {
+  requestSeq++;
+  return `${REQUEST_ID_PREFIX}${requestSeq.toString(16).padStart(4, '0')}`;
+}
+
 export function subjectOf(request: unknown): Record<string, string> {
   if (typeof request !== 'object' || request === null) return {};
   const r = request as Record<string, unknown>;
@@ -122,12 +134,21 @@ export function unaryHandler<Req, Res>(
   return (call, callback) => {
     const impl = resolve();
     const started = performance.now();
-    const reqId = randomBytes(6).toString('hex');
-    const subject = subjectOf(call.request);
-    const log = deps.log.child({ reqId, method: name, ...subject });
-    const controller = new AbortController();
+    const reqId = requestId();
+    // What most calls never touch is made only when touched: the child logger (a call that logs
+    // nothing at this level, such as a polled Probe, makes none) and the cancellation signal (a call
+    // that runs no command and waits on nothing never reads it).
+    let log: Logger | undefined;
+    const callLog = (): Logger =>
+      (log ??= deps.log.child({ reqId, method: name, ...subjectOf(call.request) }));
+    let controller: AbortController | undefined;
+    let cancelled = false;
+    let done = false;
+    // grpc-js says "cancelled" when the stream closes, after every call: only one before the answer counts.
     call.on('cancelled', () => {
-      controller.abort();
+      if (done) return;
+      cancelled = true;
+      controller?.abort();
     });
     const rawDeadline = call.getDeadline();
     const deadline =
@@ -139,8 +160,16 @@ export function unaryHandler<Req, Res>(
     const ctx: CallContext = {
       reqId,
       method: name,
-      log,
-      signal: controller.signal,
+      get log() {
+        return callLog();
+      },
+      get signal() {
+        if (!controller) {
+          controller = new AbortController();
+          if (cancelled) controller.abort();
+        }
+        return controller.signal;
+      },
       deadline,
       runner: deps.runner,
       run: (command, args, options) => deps.runner.run(ctx, command, args, options),
@@ -149,16 +178,17 @@ export function unaryHandler<Req, Res>(
     deps.observer?.begin?.(service, name);
     let release: (() => void) | undefined;
     const finish = (err: unknown, response?: Res): void => {
+      done = true;
       release?.();
       const seconds = (performance.now() - started) / 1000;
       const ms = Math.round(seconds * 1000);
       // The caller gave up before the answer: it saw CANCELLED or DEADLINE_EXCEEDED, whatever we say.
-      const late = controller.signal.aborted || Date.now() > deadline ? { late: true } : {};
+      const late = cancelled || Date.now() > deadline ? { late: true } : {};
       if (err === undefined) {
         // Polling calls log at debug: skip copying and redacting their request when that is off.
         const level = impl?.quiet ? 'debug' : 'info';
-        if (log.isLevelEnabled(level))
-          log[level]({ ms, code: 'OK', ...late, request: redact(call.request) }, 'call');
+        if (deps.log.isLevelEnabled(level))
+          callLog()[level]({ ms, code: 'OK', ...late, request: redact(call.request) }, 'call');
         deps.observer?.observe(service, name, 'OK', seconds);
         callback(null, response);
       } else {
@@ -172,8 +202,8 @@ export function unaryHandler<Req, Res>(
           request: redact(call.request),
           ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
         };
-        if (mapped.unexpected) log.error(line, 'call failed');
-        else log.warn(line, 'call failed');
+        if (mapped.unexpected) callLog().error(line, 'call failed');
+        else callLog().warn(line, 'call failed');
         deps.observer?.observe(service, name, code, seconds);
         callback({ code: mapped.code, details: mapped.message, name: code, message: mapped.message });
       }

@@ -11,11 +11,10 @@
  * passes, the call's signal fires (commands are killed) and the iterable is closed (its `finally`
  * blocks run), so the work stops with the call.
  */
-import { randomBytes } from 'node:crypto';
 import type * as grpc from '@grpc/grpc-js';
 import { aborted, CsiError, unimplemented } from '../errors.js';
 import { CallStopped } from '../exec/runner.js';
-import { type CallContext, type CallDeps, causeChain, subjectOf } from './call.js';
+import { type CallContext, type CallDeps, causeChain, requestId, subjectOf } from './call.js';
 import { requestRedactor } from './proto.js';
 import { codeName, toStatus } from './status.js';
 
@@ -88,7 +87,7 @@ export function streamingHandler<Req, Res>(
   return (call) => {
     const impl = resolve();
     const started = performance.now();
-    const reqId = randomBytes(6).toString('hex');
+    const reqId = requestId();
     const log = deps.log.child({ reqId, method: name, ...subjectOf(call.request) });
     const controller = new AbortController();
     const rawDeadline = call.getDeadline();
