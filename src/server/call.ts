@@ -136,20 +136,26 @@ export function unaryHandler<Req, Res>(
     const started = performance.now();
     const reqId = requestId();
     // What most calls never touch is made only when touched: the child logger (a call that logs
-    // nothing at this level, such as a polled Probe, makes none) and the cancellation signal (a call
-    // that runs no command and waits on nothing never reads it).
+    // nothing at this level, such as a polled Probe, makes none) and the cancellation signal with its
+    // listener (a call that runs no command and waits on nothing never reads it). grpc-js sets
+    // `call.cancelled` before it emits "cancelled", so a signal made late starts aborted.
     let log: Logger | undefined;
     const callLog = (): Logger =>
       (log ??= deps.log.child({ reqId, method: name, ...subjectOf(call.request) }));
     let controller: AbortController | undefined;
-    let cancelled = false;
     let done = false;
-    // grpc-js says "cancelled" when the stream closes, after every call: only one before the answer counts.
-    call.on('cancelled', () => {
-      if (done) return;
-      cancelled = true;
-      controller?.abort();
-    });
+    const signal = (): AbortSignal => {
+      if (!controller) {
+        const c = (controller = new AbortController());
+        if (call.cancelled) c.abort();
+        // grpc-js also says "cancelled" when the stream closes after the answer: that one does not count.
+        else
+          call.once('cancelled', () => {
+            if (!done) c.abort();
+          });
+      }
+      return controller.signal;
+    };
     const rawDeadline = call.getDeadline();
     const deadline =
       rawDeadline instanceof Date
@@ -164,11 +170,7 @@ export function unaryHandler<Req, Res>(
         return callLog();
       },
       get signal() {
-        if (!controller) {
-          controller = new AbortController();
-          if (cancelled) controller.abort();
-        }
-        return controller.signal;
+        return signal();
       },
       deadline,
       runner: deps.runner,
@@ -183,7 +185,7 @@ export function unaryHandler<Req, Res>(
       const seconds = (performance.now() - started) / 1000;
       const ms = Math.round(seconds * 1000);
       // The caller gave up before the answer: it saw CANCELLED or DEADLINE_EXCEEDED, whatever we say.
-      const late = cancelled || Date.now() > deadline ? { late: true } : {};
+      const late = call.cancelled || Date.now() > deadline ? { late: true } : {};
       if (err === undefined) {
         // Polling calls log at debug: skip copying and redacting their request when that is off.
         const level = impl?.quiet ? 'debug' : 'info';

@@ -121,6 +121,45 @@ describe('the per-call wrapper', () => {
     s.clients.close();
     await stop(s.server, s.endpoint, 1000, s.log);
   });
+  it("aborts a call's signal when the caller gives up, whether the call read the signal before or after", async () => {
+    const seen: Record<string, boolean> = {};
+    let answered: AbortSignal | undefined;
+    const s = await serve({
+      CreateVolume: method({
+        validate: (req) => req.name,
+        run: async (name, ctx) => {
+          if (name === 'early') {
+            const signal = ctx.signal;
+            await new Promise((r) => setTimeout(r, 600));
+            seen[name] = signal.aborted;
+          } else {
+            await new Promise((r) => setTimeout(r, 600));
+            seen[name] = ctx.signal.aborted;
+          }
+          return { volume: { volume_id: name, capacity_bytes: '1' } };
+        },
+      }),
+      DeleteVolume: method({
+        validate: () => null,
+        run: (_v, ctx) => {
+          answered = ctx.signal; // an answered call's signal stays quiet when the stream closes after
+          return Promise.resolve({});
+        },
+      }),
+    });
+    for (const name of ['early', 'late'])
+      expect(await codeOf(s.clients.controller.CreateVolume({ name }, { timeoutMs: 200 }))).toBe(
+        'DEADLINE_EXCEEDED',
+      );
+    expect(await codeOf(s.clients.controller.DeleteVolume({ volume_id: 'v' }))).toBe('OK');
+    await new Promise((r) => setTimeout(r, 800));
+    expect(seen).toEqual({ early: true, late: true });
+    expect(answered?.aborted).toBe(false);
+    const lateLines = s.lines.filter((l) => l.method === 'CreateVolume');
+    expect(lateLines.map((l) => l.late)).toEqual([true, true]);
+    s.clients.close();
+    await stop(s.server, s.endpoint, 1000, s.log);
+  });
 });
 
 describe('stop', () => {
