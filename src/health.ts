@@ -1,6 +1,6 @@
 /** Whether this process can do its job: the pool is usable and the host tools it runs are installed. */
 import { type Mode, servesController, servesNode } from './config.js';
-import { missingTools } from './exec/which.js';
+import { findTool, isExecutable } from './exec/which.js';
 import type { Pool } from './pool/pool.js';
 
 /** Tools the controller runs: preallocation, sparse copies, and a look at what a source image holds. */
@@ -29,8 +29,26 @@ export function toolsFor(mode: Mode): string[] {
   return [...tools];
 }
 
-/** Tools found once stay found (a package is not uninstalled under a running driver); missing ones are looked for again. */
-const found = new Set<string>();
+/**
+ * Where each tool was found last: looked at there again on every check (one access call), searched
+ * for along the whole path only when it is gone from there, so a tool removed or replaced under a
+ * running driver is noticed by the next check.
+ */
+const foundAt = new Map<string, string>();
+
+async function missingTools(tools: readonly string[]): Promise<string[]> {
+  const where = await Promise.all(
+    tools.map(async (tool) => {
+      const known = foundAt.get(tool);
+      if (known !== undefined && (await isExecutable(known))) return known;
+      const now = await findTool(tool);
+      if (now === undefined) foundAt.delete(tool);
+      else foundAt.set(tool, now);
+      return now;
+    }),
+  );
+  return tools.filter((_, i) => where[i] === undefined);
+}
 
 /** How long Probe may reuse an answer: a pool or a tool that goes away is reported within this time. */
 export const PROBE_REUSE_MS = 1_000;
@@ -40,13 +58,11 @@ export const READINESS_TIMEOUT_MS = 2_000;
 /** The pool this process serves, or why it has none yet. */
 export type PoolState = Pool | { missing: string };
 
-async function check(state: PoolState, mode: Mode): Promise<string | undefined> {
-  const unchecked = toolsFor(mode).filter((t) => !found.has(t));
+async function check(state: PoolState, tools: readonly string[]): Promise<string | undefined> {
   const [poolProblem, missing] = await Promise.all([
     'missing' in state ? Promise.resolve(state.missing) : state.checkUsable(),
-    missingTools(unchecked),
+    missingTools(tools),
   ]);
-  for (const t of unchecked) if (!missing.includes(t)) found.add(t);
   const problems: string[] = [];
   if (poolProblem) problems.push(poolProblem);
   if (missing.length > 0) problems.push(`missing tools: ${missing.join(', ')}`);
@@ -62,10 +78,16 @@ export class Readiness {
   private running: Promise<string | undefined> | undefined;
   private last: { at: number; problem: string | undefined } | undefined;
 
+  private readonly tools: readonly string[];
+
+  /** `tools`: the tools to look for, when not those of `mode` (tests). */
   constructor(
     private readonly pool: () => PoolState,
-    private readonly mode: Mode,
-  ) {}
+    mode: Mode,
+    tools?: readonly string[],
+  ) {
+    this.tools = tools ?? toolsFor(mode);
+  }
 
   /**
    * A sentence saying why this process is not ready, or undefined when it is. `maxAgeMs`: an answer
@@ -75,7 +97,7 @@ export class Readiness {
   async problem(timeoutMs = READINESS_TIMEOUT_MS, maxAgeMs = 0): Promise<string | undefined> {
     if (this.last && performance.now() - this.last.at <= maxAgeMs) return this.last.problem;
     const state = this.pool();
-    this.running ??= check(state, this.mode).then(
+    this.running ??= check(state, this.tools).then(
       (problem) => {
         this.running = undefined;
         this.last = { at: performance.now(), problem };

@@ -11,21 +11,21 @@ export function searchPath(): string[] {
   return dirs;
 }
 
-/** True when `tool` is an executable file somewhere on the search path. Spawns nothing. */
-export async function isOnPath(tool: string): Promise<boolean> {
-  for (const dir of searchPath()) {
-    try {
-      await access(path.join(dir, tool), constants.X_OK);
-      return true;
-    } catch {
-      // try the next directory
-    }
+/** True when `file` exists and may be executed. */
+export async function isExecutable(file: string): Promise<boolean> {
+  try {
+    await access(file, constants.X_OK);
+    return true;
+  } catch {
+    return false;
   }
-  return false;
 }
 
-/** The tools of `tools` that cannot be found. */
-export async function missingTools(tools: readonly string[]): Promise<string[]> {
-  const found = await Promise.all(tools.map((t) => isOnPath(t)));
-  return tools.filter((_, i) => !found[i]);
+/** Where `tool` is on the search path (the first executable of that name), or undefined. Spawns nothing. */
+export async function findTool(tool: string): Promise<string | undefined> {
+  for (const dir of searchPath()) {
+    const file = path.join(dir, tool);
+    if (await isExecutable(file)) return file;
+  }
+  return undefined;
 }
