@@ -28,16 +28,19 @@ export function pluginCapabilities(config: Pick<Config, 'mode'>): GetPluginCapab
 
 export function identityService({ config, readiness, version }: IdentityDeps): Methods<IdentityHandlers> {
   const none = (): null => null;
+  // Constant for the life of the process: built once, not per call.
+  const info = { name: config.driverName, vendor_version: version, manifest: {} };
+  const capabilities = pluginCapabilities(config);
   return {
     GetPluginInfo: method({
       validate: none,
       quiet: true,
-      run: () => Promise.resolve({ name: config.driverName, vendor_version: version, manifest: {} }),
+      run: () => Promise.resolve(info),
     }),
     GetPluginCapabilities: method({
       validate: none,
       quiet: true,
-      run: () => Promise.resolve(pluginCapabilities(config)),
+      run: () => Promise.resolve(capabilities),
     }),
     Probe: method({
       validate: none,

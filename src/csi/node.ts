@@ -5,6 +5,7 @@
  */
 import { failedPrecondition } from '../errors.js';
 import type { NodeHandlers } from '../gen/csi/v1/Node.js';
+import type { NodeGetCapabilitiesResponse } from '../gen/csi/v1/NodeGetCapabilitiesResponse.js';
 import type { NodeServiceCapability } from '../gen/csi/v1/NodeServiceCapability.js';
 import { expandVolume } from '../node/grow.js';
 import type { NodeDeps } from '../node/on-host.js';
@@ -32,14 +33,15 @@ export const POOL_ID_KEY = 'loopvol.csi.io/pool-id';
 export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
   const locks = (v: { id: string }): string[] => [nodeKey(v.id)];
 
+  // The same answer every time: built once, not per call (kubelet asks before every volume operation).
+  const capabilities: NodeGetCapabilitiesResponse = {
+    capabilities: NODE_CAPABILITIES.map((type): NodeServiceCapability => ({ rpc: { type } })),
+  };
   return {
     NodeGetCapabilities: method({
       validate: () => null,
       quiet: true,
-      run: () =>
-        Promise.resolve({
-          capabilities: NODE_CAPABILITIES.map((type): NodeServiceCapability => ({ rpc: { type } })),
-        }),
+      run: () => Promise.resolve(capabilities),
     }),
 
     NodeGetInfo: method({

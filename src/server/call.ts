@@ -72,13 +72,17 @@ type UnaryHandler<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 const REQUEST_ID_PREFIX = randomBytes(4).toString('hex');
 let requestSeq = 0;
 
+/** The next call's number: a call takes it when it arrives, and shows it as its id only when asked. */
+export function nextRequestSeq(): number {
+  return ++requestSeq;
+}
+
 /**
  * A call's id for its log lines: unique in this process (a counter), and told apart from other
  * processes' and restarts' by a random prefix drawn once (cheaper than random bytes per call).
  */
-export function requestId(): string {
-  requestSeq++;
-  return `${REQUEST_ID_PREFIX}${requestSeq.toString(16).padStart(4, '0')}`;
+export function requestId(seq = nextRequestSeq()): string {
+  return `${REQUEST_ID_PREFIX}${seq.toString(16).padStart(4, '0')}`;
 }
 
 export function subjectOf(request: unknown): Record<string, string> {
@@ -134,14 +138,16 @@ export function unaryHandler<Req, Res>(
   return (call, callback) => {
     const impl = resolve();
     const started = performance.now();
-    const reqId = requestId();
-    // What most calls never touch is made only when touched: the child logger (a call that logs
+    const seq = nextRequestSeq();
+    let reqId: string | undefined;
+    const id = (): string => (reqId ??= requestId(seq));
+    // What most calls never touch is made only when touched: the id's text, the child logger (a call that logs
     // nothing at this level, such as a polled Probe, makes none) and the cancellation signal with its
     // listener (a call that runs no command and waits on nothing never reads it). grpc-js sets
     // `call.cancelled` before it emits "cancelled", so a signal made late starts aborted.
     let log: Logger | undefined;
     const callLog = (): Logger =>
-      (log ??= deps.log.child({ reqId, method: name, ...subjectOf(call.request) }));
+      (log ??= deps.log.child({ reqId: id(), method: name, ...subjectOf(call.request) }));
     let controller: AbortController | undefined;
     let done = false;
     const signal = (): AbortSignal => {
@@ -164,7 +170,9 @@ export function unaryHandler<Req, Res>(
           ? rawDeadline
           : Infinity;
     const ctx: CallContext = {
-      reqId,
+      get reqId() {
+        return id();
+      },
       method: name,
       get log() {
         return callLog();
