@@ -1,0 +1,218 @@
+// What the benchmarks share: the driver and the bare server over their sockets, clients, statistics,
+// and cleanup of exactly what a benchmark made.
+import { execFileSync, spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import * as grpc from '@grpc/grpc-js';
+import { csiProto } from '../dist/server/proto.js';
+
+export const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
+export const MiB = 2 ** 20;
+export const GiB = 2 ** 30;
+
+export const sh = (cmd, argv) =>
+  execFileSync(cmd, argv, { encoding: 'utf8', env: { ...process.env, LC_ALL: 'C' } });
+export const now = () => performance.now();
+export const median = (xs) => {
+  const s = [...xs].sort((a, b) => a - b);
+  if (s.length === 0) return NaN;
+  const mid = Math.floor(s.length / 2);
+  return s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2;
+};
+export const p95 = (xs) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.ceil(s.length * 0.95) - 1)];
+};
+export const round = (x, d = 1) => Math.round(x * 10 ** d) / 10 ** d;
+export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** Promise-returning CSI clients (Identity, Controller, Node) on `endpoint`. */
+export function client(endpoint) {
+  const v1 = csiProto().csi.v1;
+  const creds = grpc.credentials.createInsecure();
+  const closers = [];
+  const make = (Ctor) => {
+    const c = new Ctor(endpoint, creds);
+    closers.push(() => c.close());
+    return new Proxy(
+      {},
+      {
+        get: (_t, m) => (req) =>
+          new Promise((resolve, reject) =>
+            c[m](req, { deadline: new Date(Date.now() + 600_000) }, (err, res) =>
+              err ? reject(err) : resolve(res),
+            ),
+          ),
+      },
+    );
+  };
+  return {
+    identity: make(v1.Identity),
+    controller: make(v1.Controller),
+    node: make(v1.Node),
+    close: () => closers.forEach((f) => f()),
+  };
+}
+
+async function waitServing(c) {
+  for (let i = 0; i < 400; i++) {
+    try {
+      await c.identity.GetPluginInfo({});
+      return;
+    } catch {
+      await sleep(25);
+    }
+  }
+  throw new Error('the server did not start');
+}
+
+function stopper(proc) {
+  return async () => {
+    if (proc.exitCode !== null) return;
+    const exited = new Promise((r) => proc.once('exit', r));
+    proc.kill('SIGTERM');
+    await exited;
+  };
+}
+
+/**
+ * The real driver (dist/main.js), in a process of its own, serving a pool in `dir`/pool. With
+ * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
+ * every command it runs, with its duration).
+ */
+export async function startDriver(dir, extra = [], nodeArgs = [], { logs = false } = {}) {
+  const socket = path.join(dir, `csi-${Math.random().toString(36).slice(2)}.sock`);
+  const proc = spawn(
+    process.execPath,
+    [
+      ...nodeArgs,
+      path.join(REPO, 'dist', 'main.js'),
+      `--endpoint=unix://${socket}`,
+      '--nodeid=bench-node',
+      `--pool-dir=${path.join(dir, 'pool')}`,
+      '--log-level=warn',
+      '--max-volumes-per-node=100000',
+      ...extra,
+    ],
+    { stdio: ['ignore', logs ? 'pipe' : 'ignore', 'inherit'] },
+  );
+  const lines = [];
+  if (logs) {
+    let rest = '';
+    proc.stdout.setEncoding('utf8');
+    proc.stdout.on('data', (chunk) => {
+      const parts = (rest + chunk).split('\n');
+      rest = parts.pop();
+      for (const l of parts) if (l.startsWith('{')) lines.push(JSON.parse(l));
+    });
+  }
+  const c = client(`unix://${socket}`);
+  await waitServing(c);
+  const stop = stopper(proc);
+  return {
+    proc,
+    c,
+    lines,
+    endpoint: `unix://${socket}`,
+    pool: path.join(dir, 'pool'),
+    async stop() {
+      c.close();
+      await stop();
+    },
+  };
+}
+
+/** The floor of a call: bench/bare-server.mjs, constant answers on the same proto. */
+export async function startBare(dir, nodeArgs = []) {
+  const socket = path.join(dir, `bare-${Math.random().toString(36).slice(2)}.sock`);
+  const proc = spawn(
+    process.execPath,
+    [...nodeArgs, path.join(REPO, 'bench', 'bare-server.mjs'), `unix://${socket}`],
+    { stdio: ['ignore', 'ignore', 'inherit'] },
+  );
+  const c = client(`unix://${socket}`);
+  await waitServing(c);
+  const stop = stopper(proc);
+  return {
+    proc,
+    c,
+    endpoint: `unix://${socket}`,
+    async stop() {
+      c.close();
+      await stop();
+    },
+  };
+}
+
+/** RSS (MiB) and CPU seconds of a process. */
+export async function procStats(pid) {
+  const status = await fs.readFile(`/proc/${pid}/status`, 'utf8');
+  const rss = Number(/VmRSS:\s+(\d+)/.exec(status)?.[1] ?? 0) * 1024;
+  const stat = await fs.readFile(`/proc/${pid}/stat`, 'utf8');
+  const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  const ticks = Number(f[11]) + Number(f[12]);
+  return { rssMiB: round(rss / MiB), cpuSeconds: round(ticks / 100, 2) };
+}
+
+/** Calls per second of `fn` from `concurrency` callers, `ops` calls in all. */
+export async function rpcRate(fn, concurrency, ops) {
+  let next = 0;
+  const t0 = now();
+  await Promise.all(
+    Array.from({ length: concurrency }, async () => {
+      while (next++ < ops) await fn();
+    }),
+  );
+  return ops / ((now() - t0) / 1000);
+}
+
+export const capOf = (kind) =>
+  kind === 'block'
+    ? { block: {}, access_mode: { mode: 'SINGLE_NODE_WRITER' } }
+    : { mount: { fs_type: kind, mount_flags: [] }, access_mode: { mode: 'SINGLE_NODE_WRITER' } };
+
+export async function mk(dir, name) {
+  const p = path.join(dir, name);
+  await fs.mkdir(p, { recursive: true });
+  return p;
+}
+
+/** Loop devices whose backing file lies under `dir`. */
+export async function loopsUnder(dir) {
+  const out = [];
+  for (const name of await fs.readdir('/sys/block')) {
+    if (!name.startsWith('loop')) continue;
+    const backing = await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').catch(() => '');
+    if (backing.startsWith(`${dir}/`)) out.push(`/dev/${name}`);
+  }
+  return out;
+}
+
+/** Mount points at or under `dir`, deepest first. */
+export async function mountsUnder(dir) {
+  return (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .map((l) => l.split(' ')[4])
+    .filter((m) => m && (m === dir || m.startsWith(`${dir}/`)))
+    .sort((a, b) => b.length - a.length);
+}
+
+/** Unmounts and detaches exactly what lives under `dir`, then removes it. */
+export async function cleanup(dir) {
+  for (const m of await mountsUnder(dir)) {
+    try {
+      sh('umount', [m]);
+    } catch {
+      sh('umount', ['-l', m]);
+    }
+  }
+  for (const dev of await loopsUnder(dir)) {
+    try {
+      sh('losetup', ['--detach', dev]);
+    } catch {
+      /* gone */
+    }
+  }
+  await fs.rm(dir, { recursive: true, force: true });
+}

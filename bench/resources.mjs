@@ -1,0 +1,89 @@
+// Memory: the driver's RSS idle and after many volumes, beside the bare grpc-js server (the least a
+// Node.js CSI server holds), with Node's default flags and with flags for a small footprint. The
+// V8 heap (used/total) and what lies outside it (RSS minus heap: code, the proto's descriptors in
+// native memory, malloc arenas, thread stacks) are read from the process itself through
+// /metrics (prom-client's process and nodejs series).
+/* global fetch */
+import { capOf, MiB, procStats, round, rpcRate, sleep, startBare, startDriver } from './lib.mjs';
+
+/**
+ * Node flags proposed for the image (see bench/README.md): a young generation of 1 MiB semi-spaces
+ * instead of up to 16 MiB (V8 on 64 bits), which the driver's short-lived per-call garbage never needs.
+ * No old-space limit: a limit turns a large pool into a crash.
+ */
+export const SMALL_FOOTPRINT = ['--max-semi-space-size=1'];
+
+let port = 39480;
+
+async function heapOf(metricsPort) {
+  const text = await (await fetch(`http://127.0.0.1:${metricsPort}/metrics`)).text();
+  const val = (name) => Number(new RegExp(`^${name}(?:\\{[^}]*\\})? (\\S+)$`, 'm').exec(text)?.[1] ?? NaN);
+  return {
+    heapUsedMiB: round(val('loopvol_nodejs_heap_size_used_bytes') / MiB),
+    heapTotalMiB: round(val('loopvol_nodejs_heap_size_total_bytes') / MiB),
+    externalMiB: round(val('loopvol_nodejs_external_memory_bytes') / MiB),
+  };
+}
+
+async function settle(pid) {
+  // RSS after the start's garbage has had a chance to go (a driver sits idle most of its life).
+  await sleep(3000);
+  return procStats(pid);
+}
+
+export async function resources(dir, results, { volumes = 1000 } = {}) {
+  const rows = [];
+  for (const [flags, nodeArgs] of [
+    ['default', []],
+    ['small footprint', SMALL_FOOTPRINT],
+  ]) {
+    const bare = await startBare(dir, nodeArgs);
+    try {
+      rows.push({ server: 'bare grpc-js', flags, state: 'idle', ...(await settle(bare.proc.pid)) });
+    } finally {
+      await bare.stop();
+    }
+    const metricsPort = port++;
+    const d = await startDriver(dir, [`--metrics-address=127.0.0.1:${metricsPort}`], nodeArgs);
+    try {
+      rows.push({
+        server: 'loopvol',
+        flags,
+        state: 'idle',
+        ...(await settle(d.proc.pid)),
+        ...(await heapOf(metricsPort)),
+      });
+      const cap = capOf('block');
+      const base = `rss-${flags.replace(/\W/g, '')}`;
+      for (let i = 0; i < volumes; i += 32) {
+        await Promise.all(
+          Array.from({ length: Math.min(32, volumes - i) }, (_, j) =>
+            d.c.controller.CreateVolume({
+              name: `${base}-${i + j}`,
+              capacity_range: { required_bytes: String(MiB) },
+              volume_capabilities: [cap],
+            }),
+          ),
+        );
+      }
+      await d.c.controller.ListVolumes({});
+      rows.push({
+        server: 'loopvol',
+        flags,
+        state: `after ${volumes} CreateVolume + ListVolumes`,
+        ...(await settle(d.proc.pid)),
+        ...(await heapOf(metricsPort)),
+      });
+      // What the flags cost in CPU: Probe from one client at c=32, CPU time of the driver per call.
+      const calls = 20000;
+      const cpu0 = (await procStats(d.proc.pid)).cpuSeconds;
+      await rpcRate(() => d.c.identity.Probe({}), 32, calls);
+      const probeCpuUs = Math.round((((await procStats(d.proc.pid)).cpuSeconds - cpu0) * 1e6) / calls);
+      rows.at(-1)['Probe CPU µs/call'] = probeCpuUs;
+    } finally {
+      await d.stop();
+    }
+  }
+  results.resources = { volumes, nodeFlags: SMALL_FOOTPRINT, rows };
+  console.table(rows);
+}
