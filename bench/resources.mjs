@@ -4,7 +4,7 @@
 // native memory, malloc arenas, thread stacks) are read from the process itself through
 // /metrics (prom-client's process and nodejs series).
 /* global fetch */
-import { capOf, MiB, procStats, round, rpcRate, sleep, startBare, startDriver } from './lib.mjs';
+import { capOf, MiB, mk, procStats, round, rpcRate, sleep, startBare, startDriver } from './lib.mjs';
 
 /**
  * Node flags proposed for the image (see bench/README.md): a young generation of 1 MiB semi-spaces
@@ -37,14 +37,15 @@ export async function resources(dir, results, { volumes = 1000 } = {}) {
     ['default', []],
     ['small footprint', SMALL_FOOTPRINT],
   ]) {
-    const bare = await startBare(dir, nodeArgs);
+    const sub = await mk(dir, flags.replace(/\W/g, '-')); // a pool of its own: idle means empty
+    const bare = await startBare(sub, nodeArgs);
     try {
       rows.push({ server: 'bare grpc-js', flags, state: 'idle', ...(await settle(bare.proc.pid)) });
     } finally {
       await bare.stop();
     }
     const metricsPort = port++;
-    const d = await startDriver(dir, [`--metrics-address=127.0.0.1:${metricsPort}`], nodeArgs);
+    const d = await startDriver(sub, [`--metrics-address=127.0.0.1:${metricsPort}`], nodeArgs);
     try {
       rows.push({
         server: 'loopvol',

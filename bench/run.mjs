@@ -295,7 +295,7 @@ async function main() {
     lifecycle: (sub) => lifecycle(sub, results),
     control: (sub) => controlPlane(sub, results),
     resources: (sub) => resources(sub, results, { volumes: QUICK ? 200 : 1000 }),
-    data: (sub) => dataPath(sub, results, { runtime: QUICK ? 1 : 3 }),
+    data: (sub) => dataPath(sub, results, { runtime: QUICK ? 1 : 2, rounds: QUICK ? 1 : 3 }),
     snapshots: (sub) => snapshots(sub, results),
   };
   try {
