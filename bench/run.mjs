@@ -2,19 +2,20 @@
 // loopvol benchmarks: each number next to its floor (the same work done by the tools themselves), measured
 // in the same run, interleaved, so the ratio means something on a noisy machine.
 //
-//   npm run bench -- [results.json] [--quick] [--only=rpc,stage,lifecycle,control,resources,data,snapshots]
+//   npm run bench -- [results.json] [--quick] [--only=rpc,stage,lifecycle,many,control,resources,data,snapshots]
 //
 // Needs root, loop devices, mkfs.ext4/xfs and fio. Cleans up every loop device, mount and file it made.
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { dataPath } from './data.mjs';
+import { many } from './many.mjs';
 import { GiB, MiB, REPO, capOf, cleanup, median, mk, now, p95, round, sh, startDriver } from './lib.mjs';
 import { resources } from './resources.mjs';
 import { rpc } from './rpc.mjs';
 import { stage } from './stage.mjs';
 
-const PARTS = ['rpc', 'stage', 'lifecycle', 'control', 'resources', 'data', 'snapshots'];
+const PARTS = ['rpc', 'stage', 'lifecycle', 'many', 'control', 'resources', 'data', 'snapshots'];
 const args = process.argv.slice(2);
 const QUICK = args.includes('--quick');
 const only = args
@@ -293,6 +294,7 @@ async function main() {
     rpc: (sub) => rpc(sub, results, { rounds: QUICK ? 3 : 7, ops: QUICK ? 2000 : 6000 }),
     stage: (sub) => stage(sub, results, { reps: REPS }),
     lifecycle: (sub) => lifecycle(sub, results),
+    many: (sub) => many(sub, results, { count: QUICK ? 16 : 64 }),
     control: (sub) => controlPlane(sub, results),
     resources: (sub) => resources(sub, results, { volumes: QUICK ? 200 : 1000 }),
     data: (sub) => dataPath(sub, results, { runtime: QUICK ? 1 : 2, rounds: QUICK ? 1 : 3 }),
