@@ -174,10 +174,15 @@ export abstract class VolumeFences {
 
   /** Volumes published to `node` other than `except`, dropping index entries whose volume no longer has the attachment. */
   private async countAttached(node: string, except: string): Promise<number> {
+    // Read side by side, not one after another: this runs under the node's lock, and a node with many
+    // volumes made concurrent publishes to it wait (and give up with ABORTED) behind N sequential reads.
+    const vids = (await this.nodes.attachedVolumes(node)).filter((vid) => vid !== except);
+    const held = await Promise.all(
+      vids.map(async (vid) => (await this.attachments(vid)).some((a) => a.node === node)),
+    );
     let count = 0;
-    for (const vid of await this.nodes.attachedVolumes(node)) {
-      if (vid === except) continue;
-      if ((await this.attachments(vid)).some((a) => a.node === node)) count++;
+    for (const [i, vid] of vids.entries()) {
+      if (held[i]) count++;
       else await this.nodes.removeAttached(node, vid);
     }
     return count;
