@@ -814,7 +814,7 @@ describe('the Dockerfile', () => {
     );
     expect(text).not.toMatch(/^(COPY|ADD)\b.*\.(pem|crt)\b/m);
     expect(text).toMatch(/npm prune --omit=dev/);
-    expect(text).toMatch(/ENTRYPOINT \["node", "\/opt\/loopvol\/dist\/main.js"\]/);
+    expect(text).toMatch(/ENTRYPOINT \["node", "--max-semi-space-size=1", "\/opt\/loopvol\/dist\/main.js"\]/);
     const installed =
       /apt-get install[^\n]*--no-install-recommends ([^\n&\\]+)/.exec(text)?.[1]?.trim().split(/\s+/) ?? [];
     const packageOf: Record<string, string> = {
