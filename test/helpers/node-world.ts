@@ -117,23 +117,16 @@ export const cap = (over: Partial<Capability> = {}): Capability => ({
   ...over,
 });
 
-let volumeCount = 0;
-
-/** A volume made the way CreateVolume makes one: a sparse image of SIZE bytes, then a "ready" record. */
-export async function newVolume(
-  w: World,
-  opts: { fsType?: FsType; initialized?: boolean } = {},
-): Promise<{ id: string; image: string }> {
-  const name = `pv-${++volumeCount}`;
-  const id = volumeIdForName(name);
+/** The record CreateVolume writes first ("creating"), for a volume named `name` of SIZE bytes. */
+export function volumeMeta(name: string, over: Partial<VolumeMeta> = {}): VolumeMeta {
   const now = new Date().toISOString();
-  const meta: VolumeMeta = {
+  return {
     format: 1,
-    id,
+    id: volumeIdForName(name),
     name,
     state: 'creating',
     capacityBytes: SIZE,
-    fsType: opts.fsType ?? 'ext4',
+    fsType: 'ext4',
     allocation: 'sparse',
     capabilities: [cap()],
     parameters: {},
@@ -145,7 +138,19 @@ export async function newVolume(
     pool: 'test',
     createdAt: now,
     updatedAt: now,
+    ...over,
   };
+}
+
+let volumeCount = 0;
+
+/** A volume made the way CreateVolume makes one: a sparse image of SIZE bytes, then a "ready" record. */
+export async function newVolume(
+  w: World,
+  opts: { fsType?: FsType; initialized?: boolean } = {},
+): Promise<{ id: string; image: string }> {
+  const meta = volumeMeta(`pv-${++volumeCount}`, { fsType: opts.fsType ?? 'ext4' });
+  const { id } = meta;
   await w.volumes.create(meta, async (image) => {
     await createSparseImage(image, SIZE);
     return { initialized: opts.initialized ?? false };

@@ -5,13 +5,12 @@ import path from 'node:path';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
 import { Capacity } from '../../src/pool/capacity.js';
-import { volumeIdForName } from '../../src/pool/ids.js';
 import { isHeld, LockManager } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
 import { Pool } from '../../src/pool/pool.js';
-import type { VolumeMeta } from '../../src/pool/types.js';
 import { VolumeStore } from '../../src/pool/volumes.js';
 import { REPO, tempDir } from '../helpers/driver.js';
+import { volumeMeta } from '../helpers/node-world.js';
 
 const dirs: string[] = [];
 afterAll(async () => {
@@ -159,27 +158,8 @@ describe('work under a lock that is lost', () => {
     dirs.push(dir);
     const pool = await Pool.open(dir, 'test', log, { create: true, lock: { heartbeatMs: 20 } });
     const volumes = new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log);
-    const id = volumeIdForName('pv-lost');
-    const now = new Date().toISOString();
-    const meta: VolumeMeta = {
-      format: 1,
-      id,
-      name: 'pv-lost',
-      state: 'creating',
-      capacityBytes: 2 ** 20,
-      fsType: 'ext4',
-      allocation: 'sparse',
-      capabilities: [],
-      parameters: {},
-      mutableParameters: {},
-      requiredBytes: 2 ** 20,
-      limitBytes: 0,
-      contentSource: null,
-      labels: {},
-      pool: 'test',
-      createdAt: now,
-      updatedAt: now,
-    };
+    const meta = volumeMeta('pv-lost', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
+    const { id } = meta;
     const created = volumes.create(meta, async (_image, lock) => {
       // Another process takes the lock over (this one was cut off from the pool for a lease), and
       // finishes the volume itself.

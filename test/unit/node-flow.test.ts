@@ -49,6 +49,19 @@ async function expectNothingLeft(w: World, id: string): Promise<void> {
 
 const formats = (w: World): string[] => w.host.ops.filter((o) => o.startsWith('format'));
 
+/** A volume staged and published whose staging mount went (unmounted by hand, a lost mount) while the pod's bind of it stays. */
+async function stagingMountGone(): Promise<{ w: World; id: string }> {
+  const w = await world();
+  const { id } = await newVolume(w);
+  await stage(w, id);
+  await publish(w, id);
+  w.host.table.splice(
+    w.host.table.findIndex((m) => m.mountPoint === STAGING),
+    1,
+  );
+  return { w, id };
+}
+
 describe('NodeStageVolume', () => {
   it('formats a fresh volume once, marks it initialized and mounts it', async () => {
     const w = await world();
@@ -98,15 +111,7 @@ describe('NodeStageVolume', () => {
   });
 
   it('stages again through the device a pod still has mounted when the staging mount is gone: never a second one', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    await publish(w, id);
-    // The staging mount goes (unmounted by hand, a lost mount); the pod's bind of it stays.
-    w.host.table.splice(
-      w.host.table.findIndex((m) => m.mountPoint === STAGING),
-      1,
-    );
+    const { w, id } = await stagingMountGone();
     const { code, ops } = await during(w, () => stage(w, id));
     expect(code).toBe('OK');
     // The live filesystem is mounted again from its own device: no attach, no check, no format.
@@ -121,14 +126,7 @@ describe('NodeStageVolume', () => {
   });
 
   it('never stages as raw block a device under a filesystem a pod still has mounted', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    await publish(w, id);
-    w.host.table.splice(
-      w.host.table.findIndex((m) => m.mountPoint === STAGING),
-      1,
-    );
+    const { w, id } = await stagingMountGone();
     const block = { accessType: 'block' as const, fsType: '' };
     expect(await during(w, () => stage(w, id, block))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
     expect((await w.volumes.lease(id, NODE))?.accessType).toBe('mount');
