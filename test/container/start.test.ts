@@ -76,7 +76,8 @@ describe.skipIf(!top || !image)('the image, started as the manifests start it', 
     const attached: string[] = [];
     let fresh = '';
     try {
-      for (let i = 0; i < 64 && !fresh; i++) {
+      // Every free device node is reused first (a host that once had many attached keeps them all).
+      for (let i = 0; i < before.length + 8 && !fresh; i++) {
         const img = path.join(scratch, `${i}.img`);
         await fs.writeFile(img, Buffer.alloc(0));
         await fs.truncate(img, 1 << 20);
