@@ -53,6 +53,8 @@ async function prepareUnixSocket(socketPath: string, log: Logger): Promise<void>
   await fs.unlink(socketPath);
 }
 
+/** The longest path a unix socket can have (sun_path less its terminating NUL). */
+const MAX_SOCKET_PATH = 107;
 /** How often a waiting successor says it still waits. */
 const PRESENCE_LOG_MS = 10_000;
 /** How long a predecessor may go on serving its socket before a successor takes it for a second plugin. */
@@ -67,7 +69,17 @@ const SERVING_GRACE_MS = 3_000;
  * Returns what closes it (the last step of stopping).
  */
 export async function awaitPredecessor(socketPath: string, log: Logger): Promise<() => Promise<void>> {
-  const presence = `${socketPath}.presence`;
+  // A unix socket's path has at most 107 bytes: the name beside the endpoint, or a short one there.
+  const presence = [`${socketPath}.presence`, path.join(path.dirname(socketPath), '.lvp')].find(
+    (p) => Buffer.byteLength(p) <= MAX_SOCKET_PATH,
+  );
+  if (presence === undefined) {
+    log.warn(
+      { socket: socketPath },
+      'the endpoint path is too long for a presence socket beside it: a successor will not wait for this process to exit',
+    );
+    return () => Promise.resolve();
+  }
   await fs.mkdir(path.dirname(presence), { recursive: true, mode: 0o750 });
   const since = performance.now();
   let said = 0;

@@ -170,6 +170,15 @@ describe('the socket', () => {
     },
   );
 
+  it('serves an endpoint at the longest path a unix socket can have, its presence socket beside it', async () => {
+    const base = await dir('long');
+    const socket = path.join(base, 'x'.repeat(Math.max(1, 107 - base.length - '/.sock'.length)) + '.sock');
+    expect(Buffer.byteLength(socket)).toBe(107);
+    const d = await driver({ dir: base, socket });
+    expect((await d.clients.identity.GetPluginInfo({})).name).toBe('loopvol.csi.io');
+    expect((await fs.lstat(path.join(base, '.lvp'))).isSocket()).toBe(true);
+  });
+
   it('exits with a one-line reason when the pool directory cannot be used', async () => {
     const base = await dir('badpool');
     const file = path.join(base, 'not-a-dir');
