@@ -8,7 +8,7 @@
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { conflict, mismatch, noSpace, unsafe } from '../errors.js';
+import { busy, conflict, mismatch, noSpace, unsafe } from '../errors.js';
 import { exists, listDir, readRecord, type RecordRead, removeFile, writeFileAtomic } from './fsutil.js';
 import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
@@ -25,7 +25,13 @@ import {
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 
+/** How long a publish waits its turn behind this process's other publishes to the same node. */
+const NODE_QUEUE_WAIT_MS = 10_000;
+
 export abstract class VolumeFences {
+  /** This process's publishes to a node, one after the other (the tail of each node's queue). */
+  private readonly nodeQueues = new Map<string, Promise<void>>();
+
   constructor(
     protected readonly pool: Pool,
     protected readonly nodes: NodeRegistry,
@@ -149,27 +155,64 @@ export abstract class VolumeFences {
           `Volume ${id} is published to node ${blocking.node}; a single-node volume cannot be published to ${att.node} too.`,
         );
       }
-      await this.pool.withLock(`node-${att.node}`, 'ControllerPublishVolume', async () => {
-        const count = await this.countAttached(att.node, id);
-        if (count >= maxVolumes) {
-          throw noSpace(
-            `Node ${att.node} already has ${count} volumes published, its limit of ${maxVolumes}; unpublish one first.`,
-          );
-        }
-        await this.nodes.addAttached(att.node, id);
-        failpoint('publish:indexed');
-      });
-      const f = await this.fenceFileForUpdate(id);
-      // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
-      await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
-      await writeFileAtomic(this.layout.attachment(id, att.node), json(att));
-      await this.writeFenceFile(id, {
-        ...f,
-        attachments: { ...f.attachments, [att.node]: att },
-        detached: without(f.detached, new Set([att.node])),
-      });
+      await this.inTurn(att.node, () =>
+        this.pool.withLock(`node-${att.node}`, 'ControllerPublishVolume', async () => {
+          const count = await this.countAttached(att.node, id);
+          if (count >= maxVolumes) {
+            throw noSpace(
+              `Node ${att.node} already has ${count} volumes published, its limit of ${maxVolumes}; unpublish one first.`,
+            );
+          }
+          await this.nodes.addAttached(att.node, id);
+          failpoint('publish:indexed');
+          // Written before the node's lock is let go: a publish counting the node's volumes next must
+          // see this one (an index entry without its attachment counts as a crash's leftover, dropped).
+          const f = await this.fenceFileForUpdate(id);
+          // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
+          await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
+          await writeFileAtomic(this.layout.attachment(id, att.node), json(att));
+          await this.writeFenceFile(id, {
+            ...f,
+            attachments: { ...f.attachments, [att.node]: att },
+            detached: without(f.detached, new Set([att.node])),
+          });
+        }),
+      );
       return 'created';
     });
+  }
+
+  /**
+   * Runs `fn` after this process's earlier publishes to `node` have ended: a burst of publishes to one
+   * node (many pods scheduled at once) queues here in order, instead of polling the node's pool lock
+   * against each other and giving up after its short wait (ABORTED, retried by the CO). The pool lock
+   * still decides between processes. A turn not reached within NODE_QUEUE_WAIT_MS is ABORTED.
+   */
+  private async inTurn<T>(node: string, fn: () => Promise<T>): Promise<T> {
+    const before = this.nodeQueues.get(node) ?? Promise.resolve();
+    let done!: () => void;
+    const mine = new Promise<void>((resolve) => {
+      done = resolve;
+    });
+    const tail = before.then(() => mine);
+    this.nodeQueues.set(node, tail);
+    try {
+      let timer: NodeJS.Timeout | undefined;
+      const waited = await Promise.race([
+        before.then(() => true),
+        new Promise<false>((resolve) => {
+          timer = setTimeout(() => {
+            resolve(false);
+          }, NODE_QUEUE_WAIT_MS);
+        }),
+      ]);
+      clearTimeout(timer);
+      if (!waited) throw busy(`Node ${node} is busy with other publishes; retry.`);
+      return await fn();
+    } finally {
+      done();
+      if (this.nodeQueues.get(node) === tail) this.nodeQueues.delete(node);
+    }
   }
 
   /** Volumes published to `node` other than `except`, dropping index entries whose volume no longer has the attachment. */

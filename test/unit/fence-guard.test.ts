@@ -368,3 +368,28 @@ describe('freezes for copies', () => {
     expect(w.host.frozen.has('/dev/loop0')).toBe(true);
   });
 });
+
+describe('a burst of publishes to one node', () => {
+  it('queues them in this process: none is ABORTED, and the node limit holds exactly', async () => {
+    const w = await world();
+    const ids = await Promise.all(Array.from({ length: 48 }, async () => (await newVolume(w)).id));
+    const codes = await Promise.all(
+      ids.map((id) =>
+        codeOf(
+          w.volumes.publish(
+            id,
+            { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
+            40,
+          ),
+        ),
+      ),
+    );
+    const count = (c: string) => codes.filter((x) => x === c).length;
+    expect({ ok: count('OK'), exhausted: count('RESOURCE_EXHAUSTED'), aborted: count('ABORTED') }).toEqual({
+      ok: 40,
+      exhausted: 8,
+      aborted: 0,
+    });
+    expect(await w.d.nodes.attachedVolumes(NODE)).toHaveLength(40);
+  }, 60_000);
+});
