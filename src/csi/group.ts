@@ -7,7 +7,6 @@ import { alreadyExists, invalidArgument, notFound } from '../errors.js';
 import type { GroupControllerHandlers } from '../gen/csi/v1/GroupController.js';
 import type { VolumeGroupSnapshot } from '../gen/csi/v1/VolumeGroupSnapshot.js';
 import { groupSnapshotIdForName, isGroupSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
-import { ownBlocks } from '../pool/images.js';
 import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.js';
 import type { SnapshotStore } from '../pool/snapshots.js';
 import { method, type Methods } from '../server/call.js';
@@ -113,7 +112,6 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
         // The members stay "creating" (unlisted, not restorable) until the copy is known to be good:
         // withConsistentSources checks that every freeze held until the last copy ended, after them.
         let takenAt = group.createdAt;
-        const ownsShared: string[] = [];
         try {
           const made = await withConsistentSources(ctx, d, v.sources, async (plan) => {
             const at = plan.takenAt;
@@ -136,9 +134,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
               const { snapshot } = await snapshots.create(
                 member,
                 async (image) => {
-                  const how = await plan.copy(src.id, image);
-                  if (how.method === 'reflink' && held.meta.allocation === 'preallocate')
-                    ownsShared.push(member.id);
+                  await plan.copy(src.id, image);
                   return {
                     takenAt: at,
                     sizeBytes: held.meta.capacityBytes,
@@ -153,8 +149,6 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
             takenAt = at.toISOString();
             return copied;
           });
-          // Members of preallocated volumes get their own blocks (see CreateSnapshot), once all are let go.
-          for (const id of ownsShared) await ownBlocks(ctx, snapshots.imagePath(id));
           for (const member of made) await snapshots.markReady(member);
         } catch (err) {
           // Nothing of a failed group is kept: its members are copies nobody may use.

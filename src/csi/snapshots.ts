@@ -6,7 +6,6 @@ import fs from 'node:fs/promises';
 import { alreadyExists, invalidArgument, notFound } from '../errors.js';
 import type { ControllerHandlers } from '../gen/csi/v1/Controller.js';
 import { isSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
-import { ownBlocks } from '../pool/images.js';
 import type { SnapshotMeta } from '../pool/types.js';
 import { method, type Methods } from '../server/call.js';
 import { withConsistentSources } from './consistency.js';
@@ -71,25 +70,18 @@ export function snapshotMethods(
           groupSnapshotId: '',
           createdAt: new Date().toISOString(),
         };
-        const { snapshot, created } = await snapshots.create(meta, async (image) => {
-          const owning = { needed: false };
-          const copied = await withConsistentSources(ctx, d, [v.source], async (plan) => {
+        const { snapshot, created } = await snapshots.create(meta, (image) =>
+          withConsistentSources(ctx, d, [v.source], async (plan) => {
             const held = plan.source(v.source);
-            const how = await plan.copy(v.source, image);
-            owning.needed = how.method === 'reflink' && held.meta.allocation === 'preallocate';
+            await plan.copy(v.source, image);
             return {
               takenAt: plan.takenAt,
               sizeBytes: (await fs.stat(image)).size,
               fsType: held.meta.fsType,
               initialized: held.initialized,
             };
-          });
-          // A preallocated volume keeps owning its blocks: extents it shared with a snapshot would need
-          // new blocks at its next write, which a full pool refuses. The snapshot gets its own instead,
-          // after the source is let go (the reflink was the instant; this is only where its bytes live).
-          if (owning.needed) await ownBlocks(ctx, image);
-          return copied;
-        });
+          }),
+        );
         if (!created && snapshot.sourceVolumeId !== v.source) {
           throw alreadyExists(
             `A snapshot named ${JSON.stringify(v.name)} already exists, of volume ${snapshot.sourceVolumeId}.`,

@@ -2,13 +2,13 @@
  * The fences that keep a volume on one node at a time: attachments (ControllerPublishVolume records,
  * the controller's fence) and leases (NodeStageVolume holds, the node's fence), all in one file per
  * volume (fences.json), changed only under the volume's pool lock, with a per-node copy of each for
- * releases that read only those. A record that cannot be read counts as held, by a writer: an
- * unreadable fence never lets a volume go.
+ * releases that read only those. A record that cannot be read counts as held, by a writer.
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { busy, conflict, mismatch, noSpace, unsafe } from '../errors.js';
+import { conflict, mismatch, noSpace, unsafe } from '../errors.js';
+import { Turns } from './turns.js';
 import { exists, listDir, readRecord, type RecordRead, removeFile, writeFileAtomic } from './fsutil.js';
 import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
@@ -25,12 +25,9 @@ import {
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 
-/** How long a publish waits its turn behind this process's other publishes to the same node. */
-const NODE_QUEUE_WAIT_MS = 10_000;
-
 export abstract class VolumeFences {
-  /** This process's publishes to a node, one after the other (the tail of each node's queue). */
-  private readonly nodeQueues = new Map<string, Promise<void>>();
+  /** This process's publishes to a node in order, up to 10 s each (a burst of pods scheduled at once). */
+  private readonly nodeTurns = new Turns(10_000);
 
   constructor(
     protected readonly pool: Pool,
@@ -155,7 +152,7 @@ export abstract class VolumeFences {
           `Volume ${id} is published to node ${blocking.node}; a single-node volume cannot be published to ${att.node} too.`,
         );
       }
-      await this.inTurn(att.node, () =>
+      await this.nodeTurns.run(att.node, `Node ${att.node}`, () =>
         this.pool.withLock(`node-${att.node}`, 'ControllerPublishVolume', async () => {
           const count = await this.countAttached(att.node, id);
           if (count >= maxVolumes) {
@@ -165,8 +162,7 @@ export abstract class VolumeFences {
           }
           await this.nodes.addAttached(att.node, id);
           failpoint('publish:indexed');
-          // Written before the node's lock is let go: a publish counting the node's volumes next must
-          // see this one (an index entry without its attachment counts as a crash's leftover, dropped).
+          // Before the node's lock is let go: the next count must see it (an entry without one is dropped).
           const f = await this.fenceFileForUpdate(id);
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
@@ -180,39 +176,6 @@ export abstract class VolumeFences {
       );
       return 'created';
     });
-  }
-
-  /**
-   * Runs `fn` after this process's earlier publishes to `node` have ended: a burst of publishes to one
-   * node (many pods scheduled at once) queues here in order, instead of polling the node's pool lock
-   * against each other and giving up after its short wait (ABORTED, retried by the CO). The pool lock
-   * still decides between processes. A turn not reached within NODE_QUEUE_WAIT_MS is ABORTED.
-   */
-  private async inTurn<T>(node: string, fn: () => Promise<T>): Promise<T> {
-    const before = this.nodeQueues.get(node) ?? Promise.resolve();
-    let done!: () => void;
-    const mine = new Promise<void>((resolve) => {
-      done = resolve;
-    });
-    const tail = before.then(() => mine);
-    this.nodeQueues.set(node, tail);
-    try {
-      let timer: NodeJS.Timeout | undefined;
-      const waited = await Promise.race([
-        before.then(() => true),
-        new Promise<false>((resolve) => {
-          timer = setTimeout(() => {
-            resolve(false);
-          }, NODE_QUEUE_WAIT_MS);
-        }),
-      ]);
-      clearTimeout(timer);
-      if (!waited) throw busy(`Node ${node} is busy with other publishes; retry.`);
-      return await fn();
-    } finally {
-      done();
-      if (this.nodeQueues.get(node) === tail) this.nodeQueues.delete(node);
-    }
   }
 
   /** Volumes published to `node` other than `except`, dropping index entries whose volume no longer has the attachment. */
