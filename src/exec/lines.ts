@@ -6,9 +6,7 @@
  * cancelled stream, an error further down) kills the command: nothing runs on after its reader.
  */
 import { execa } from 'execa';
-import path from 'node:path';
-import { CommandError, type RunScope } from './runner.js';
-import { searchPath } from './which.js';
+import { commandEnv, commandFailure, type RunScope } from './runner.js';
 
 export interface LinesOptions {
   /** Upper bound for the command; the caller's deadline lowers it further. Default 10 minutes. */
@@ -39,7 +37,7 @@ export async function* commandLines(
     timeout,
     cancelSignal: scope.signal,
     forceKillAfterDelay: 2_000,
-    env: { LC_ALL: 'C', LANG: 'C', PATH: searchPath().join(path.delimiter) },
+    env: commandEnv(),
     extendEnv: true,
     stdin: 'ignore',
     // stdout is read here, as it comes; only stderr is kept, for the error.
@@ -63,27 +61,11 @@ export async function* commandLines(
     scope.log.debug({ command, args, ms }, 'command finished');
     return;
   }
-  const reason = result.timedOut
-    ? 'timeout'
-    : result.isCanceled
-      ? 'cancelled'
-      : result.exitCode === undefined
-        ? 'spawn'
-        : 'exit';
   const stderr = typeof result.stderr === 'string' ? result.stderr.trim() : '';
-  scope.log.warn({ command, args, exitCode: result.exitCode, reason, stderr, ms }, 'command failed');
-  throw new CommandError(
-    command,
-    args,
-    result.exitCode,
-    stderr,
-    reason,
-    reason === 'exit'
-      ? `${command} exited with status ${result.exitCode}`
-      : reason === 'timeout'
-        ? `${command} timed out after ${timeout} ms`
-        : reason === 'cancelled'
-          ? `${command} was cancelled`
-          : `${command} could not be started (${result.code ?? 'unknown error'})`,
+  const err = commandFailure(command, args, result, stderr, timeout);
+  scope.log.warn(
+    { command, args, exitCode: result.exitCode, reason: err.reason, stderr, ms },
+    'command failed',
   );
+  throw err;
 }

@@ -110,6 +110,52 @@ export function checkpoint(scope: RunScope): void {
   if (scope.deadline !== undefined && Date.now() > scope.deadline) throw new CallStopped('deadline');
 }
 
+/** The environment every command runs in: C locale (output parsed by text), the tools' search path. */
+export const commandEnv = (): Record<string, string> => ({
+  LC_ALL: 'C',
+  LANG: 'C',
+  PATH: searchPath().join(path.delimiter),
+});
+
+/** What execa says of a command that failed, as far as a CommandError needs it. */
+interface Failed {
+  timedOut: boolean;
+  isCanceled: boolean;
+  exitCode?: number;
+  code?: string;
+}
+
+/** The CommandError for a command that failed: why (exit, timeout, cancelled, not started), in one sentence. */
+export function commandFailure(
+  command: string,
+  args: readonly string[],
+  result: Failed,
+  stderr: string,
+  timeoutMs: number,
+): CommandError {
+  const reason = result.timedOut
+    ? 'timeout'
+    : result.isCanceled
+      ? 'cancelled'
+      : result.exitCode === undefined
+        ? 'spawn'
+        : 'exit';
+  return new CommandError(
+    command,
+    args,
+    result.exitCode,
+    stderr,
+    reason,
+    reason === 'exit'
+      ? `${command} exited with status ${result.exitCode}`
+      : reason === 'timeout'
+        ? `${command} timed out after ${timeoutMs} ms`
+        : reason === 'cancelled'
+          ? `${command} was cancelled`
+          : `${command} could not be started (${result.code ?? 'unknown error'})`,
+  );
+}
+
 const DEFAULT_TIMEOUT_MS = 60_000;
 /** Leave the RPC this much time to roll back after a command it ran timed out. */
 const DEADLINE_MARGIN_MS = 500;
@@ -137,7 +183,7 @@ export class ExecRunner implements Runner {
       // A detached command (mkfs, fsck, resize, a copy) outlives this process if it must: killing it
       // midway is what detaching it avoids.
       cleanup: !options.detached,
-      env: { LC_ALL: 'C', LANG: 'C', PATH: searchPath().join(path.delimiter) },
+      env: commandEnv(),
       extendEnv: true,
       stripFinalNewline: true,
       input: options.input,
@@ -149,29 +195,9 @@ export class ExecRunner implements Runner {
       scope.log.debug({ command, args, exitCode: result.exitCode, ms }, 'command finished');
       return { exitCode: result.exitCode ?? 0, stdout: result.stdout, stderr: result.stderr };
     }
-    const reason = result.timedOut
-      ? 'timeout'
-      : result.isCanceled
-        ? 'cancelled'
-        : result.exitCode === undefined
-          ? 'spawn'
-          : 'exit';
     const stderr = result.stderr.trim();
-    const err = new CommandError(
-      command,
-      args,
-      result.exitCode,
-      stderr,
-      reason,
-      reason === 'exit'
-        ? `${command} exited with status ${result.exitCode}`
-        : reason === 'timeout'
-          ? `${command} timed out after ${timeout} ms`
-          : reason === 'cancelled'
-            ? `${command} was cancelled`
-            : `${command} could not be started (${result.code ?? 'unknown error'})`,
-    );
-    const line = { command, args, exitCode: result.exitCode, reason, stderr, ms };
+    const err = commandFailure(command, args, result, stderr, timeout);
+    const line = { command, args, exitCode: result.exitCode, reason: err.reason, stderr, ms };
     if (options.quiet) scope.log.debug(line, 'command failed');
     else scope.log.warn(line, 'command failed');
     throw err;
