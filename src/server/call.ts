@@ -127,6 +127,36 @@ export function causeChain(err: unknown): unknown[] {
   return out;
 }
 
+/** When the caller gives up, in epoch ms (Infinity: never), from the call's deadline. */
+export function deadlineOf(call: { getDeadline(): grpc.Deadline }): number {
+  const raw = call.getDeadline();
+  return raw instanceof Date ? raw.getTime() : Number.isFinite(raw) ? raw : Infinity;
+}
+
+/**
+ * The one log line and metric of a call that failed, with the gRPC status it answers: a mapped
+ * failure at warn, an unexpected one at error with its cause chain. `fields` adds what the call knows.
+ */
+export function reportFailure(
+  err: unknown,
+  log: Logger,
+  fields: Record<string, unknown>,
+  observe: (code: string) => void,
+): { code: grpc.status; details: string; name: string } {
+  const mapped = toStatus(err);
+  const code = codeName(mapped.code);
+  const line = {
+    ...fields,
+    code,
+    error: mapped.message,
+    ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
+  };
+  if (mapped.unexpected) log.error(line, 'call failed');
+  else log.warn(line, 'call failed');
+  observe(code);
+  return { code: mapped.code, details: mapped.message, name: code };
+}
+
 export function unaryHandler<Req, Res>(
   service: string,
   name: string,
@@ -162,13 +192,7 @@ export function unaryHandler<Req, Res>(
       }
       return controller.signal;
     };
-    const rawDeadline = call.getDeadline();
-    const deadline =
-      rawDeadline instanceof Date
-        ? rawDeadline.getTime()
-        : Number.isFinite(rawDeadline)
-          ? rawDeadline
-          : Infinity;
+    const deadline = deadlineOf(call);
     const ctx: CallContext = {
       get reqId() {
         return id();
@@ -202,20 +226,10 @@ export function unaryHandler<Req, Res>(
         deps.observer?.observe(service, name, 'OK', seconds);
         callback(null, response);
       } else {
-        const mapped = toStatus(err);
-        const code = codeName(mapped.code);
-        const line = {
-          ms,
-          code,
-          ...late,
-          error: mapped.message,
-          request: redact(call.request),
-          ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
-        };
-        if (mapped.unexpected) callLog().error(line, 'call failed');
-        else callLog().warn(line, 'call failed');
-        deps.observer?.observe(service, name, code, seconds);
-        callback({ code: mapped.code, details: mapped.message, name: code, message: mapped.message });
+        const status = reportFailure(err, callLog(), { ms, ...late, request: redact(call.request) }, (code) =>
+          deps.observer?.observe(service, name, code, seconds),
+        );
+        callback({ ...status, message: status.details });
       }
       deps.tracker?.end();
     };
@@ -241,7 +255,7 @@ export function unaryHandler<Req, Res>(
   };
 }
 
-type KnownKeys<T> = keyof {
+export type KnownKeys<T> = keyof {
   [K in keyof T as string extends K ? never : number extends K ? never : K]: T[K];
 };
 type ReqOf<H> = H extends grpc.handleUnaryCall<infer Req, infer _Res> ? Req : never;

@@ -12,11 +12,18 @@
  * blocks run), so the work stops with the call.
  */
 import type * as grpc from '@grpc/grpc-js';
-import { aborted, CsiError, unimplemented } from '../errors.js';
+import { aborted, unimplemented } from '../errors.js';
 import { CallStopped } from '../exec/runner.js';
-import { type CallContext, type CallDeps, causeChain, requestId, subjectOf } from './call.js';
+import {
+  type CallContext,
+  type CallDeps,
+  deadlineOf,
+  type KnownKeys,
+  reportFailure,
+  requestId,
+  subjectOf,
+} from './call.js';
 import { requestRedactor } from './proto.js';
-import { codeName, toStatus } from './status.js';
 
 /** A streaming call's context: a CallContext that can add what the work measured to the call's log line. */
 export interface StreamContext extends CallContext {
@@ -90,13 +97,7 @@ export function streamingHandler<Req, Res>(
     const reqId = requestId();
     const log = deps.log.child({ reqId, method: name, ...subjectOf(call.request) });
     const controller = new AbortController();
-    const rawDeadline = call.getDeadline();
-    const deadline =
-      rawDeadline instanceof Date
-        ? rawDeadline.getTime()
-        : Number.isFinite(rawDeadline)
-          ? rawDeadline
-          : Infinity;
+    const deadline = deadlineOf(call);
     // The deadline stops the work too: grpc-js cancels the call when it passes.
     const stopped = (): CallStopped => new CallStopped(Date.now() > deadline ? 'deadline' : 'cancelled');
     call.on('cancelled', () => {
@@ -126,23 +127,14 @@ export function streamingHandler<Req, Res>(
         deps.observer?.observe(service, name, 'OK', seconds);
         call.end();
       } else {
-        const mapped = toStatus(err);
-        const code = codeName(mapped.code);
-        const line = {
-          ms,
-          code,
-          ...late,
-          messages,
-          ...notes,
-          error: mapped.message,
-          request: redact(call.request),
-          ...(mapped.unexpected || !(err instanceof CsiError) ? { cause: causeChain(err) } : {}),
-        };
-        if (mapped.unexpected) log.error(line, 'call failed');
-        else log.warn(line, 'call failed');
-        deps.observer?.observe(service, name, code, seconds);
+        const status = reportFailure(
+          err,
+          log,
+          { ms, ...late, messages, ...notes, request: redact(call.request) },
+          (code) => deps.observer?.observe(service, name, code, seconds),
+        );
         // After the last message sent, a non-OK status tells the client the stream was cut short.
-        if (!call.cancelled) call.emit('error', { code: mapped.code, details: mapped.message });
+        if (!call.cancelled) call.emit('error', { code: status.code, details: status.details });
       }
       deps.tracker?.end();
     };
@@ -185,9 +177,6 @@ export function streamingHandler<Req, Res>(
   };
 }
 
-type KnownKeys<T> = keyof {
-  [K in keyof T as string extends K ? never : number extends K ? never : K]: T[K];
-};
 type ReqOf<H> = H extends grpc.handleServerStreamingCall<infer Req, infer _Res> ? Req : never;
 type ResOf<H> = H extends grpc.handleServerStreamingCall<infer _Req, infer Res> ? Res : never;
 
