@@ -6,6 +6,7 @@ import { parseArgs, type ParseArgsConfig } from 'node:util';
 import { pino, type Logger } from 'pino';
 import { FLAGS } from '../config.js';
 import { bindExec, type Exec, ExecRunner } from '../exec/runner.js';
+import { binaryScale } from '../pool/capacity.js';
 import { Pool, PoolError } from '../pool/pool.js';
 
 /** Exit codes of the operator commands (README, and each command's --help). */
@@ -106,14 +107,8 @@ export function table(headers: readonly string[], rows: readonly (readonly strin
 /** "1.5 GiB" */
 export function bytes(n: number | undefined): string {
   if (n === undefined) return '-';
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
-  let v = n;
-  let i = 0;
-  while (v >= 1024 && i < units.length - 1) {
-    v /= 1024;
-    i++;
-  }
-  return `${i === 0 || v >= 100 ? Math.round(v) : v.toFixed(1)} ${units[i] ?? 'B'}`;
+  const { value, unit } = binaryScale(n);
+  return `${unit === 'B' || value >= 100 ? Math.round(value) : value.toFixed(1)} ${unit}`;
 }
 
 /** "2 s ago", "5 min ago", "3 h ago" */

@@ -133,7 +133,8 @@ export class Capacity {
   }
 }
 
-export function formatBytes(n: number): string {
+/** `n` bytes in the largest binary unit that keeps the number at 1 or more: { value: 1.5, unit: 'GiB' }. */
+export function binaryScale(n: number): { value: number; unit: string } {
   const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
   let v = n;
   let i = 0;
@@ -141,5 +142,10 @@ export function formatBytes(n: number): string {
     v /= 1024;
     i++;
   }
-  return `${Number.isInteger(v) ? v : v.toFixed(1)} ${units[i] ?? 'B'}`;
+  return { value: v, unit: units[i] ?? 'B' };
+}
+
+export function formatBytes(n: number): string {
+  const { value, unit } = binaryScale(n);
+  return `${Number.isInteger(value) ? value : value.toFixed(1)} ${unit}`;
 }
