@@ -298,16 +298,15 @@ export abstract class VolumeFences {
           );
         }
       }
-      // Checked after the holds of other nodes, which say more.
-      const f0 = await this.readFenceFile(id);
-      const detachedAt = f0.state === 'ok' ? f0.value.detached[lease.node] : undefined;
+      const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
+      // A first lease must not outrun a detach of its node (later detaches revoke); after others' holds.
+      const f = mine ? undefined : await this.readFenceFile(id);
+      const detachedAt = f?.state === 'ok' ? f.value.detached[lease.node] : undefined;
       if (detachedAt !== undefined && !(await this.attachments(id)).some((a) => a.node === lease.node)) {
-        // A stage that raced the detach must not take the volume back: the CO publishes to this node again first.
         throw conflict(
           `Volume ${id} was detached from node ${lease.node} at ${detachedAt}; publish it to this node again first.`,
         );
       }
-      const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
       if (mine && mine.stagingPath !== lease.stagingPath) return mine;
       const rewrite =
         !mine ||
