@@ -102,7 +102,7 @@ export class FenceGuard {
     this.timer = setTimeout(() => {
       this.running = this.round()
         .catch((err: unknown) => {
-          this.log.warn({ err }, 'the heartbeat or the fence round failed; trying again');
+          this.log.warn({ err }, 'the fence round failed; trying again');
         })
         .finally(() => {
           this.running = undefined;
@@ -119,9 +119,8 @@ export class FenceGuard {
     await this.running;
   }
 
-  /** Heartbeat (also on its own timer while running), then settle every volume taken from this node. */
+  /** Settles every volume taken from this node (the heartbeat has a timer of its own, see run). */
   async round(): Promise<void> {
-    await this.d.nodes.heartbeat(this.d.nodeId);
     for (const id of await this.d.nodes.revocations(this.d.nodeId)) {
       await this.settle(id).catch((err: unknown) => {
         this.log.error({ volumeId: id, err }, 'could not settle a volume taken from this node; trying again');
