@@ -232,14 +232,15 @@ export async function readNodes(
     if (node !== undefined && isNodeId(node)) names.add(node);
   }
   const board = new QuiesceBoard(pool);
+  const registry = new NodeRegistry(pool.layout);
   const infos = await inBatches([...names].sort(), async (node): Promise<NodeInfo> => {
     const record = parseNodeRecord(await readJson(pool.layout.node(node)).catch(() => undefined));
     const heartbeatAgeSeconds = await ageSeconds(pool.layout.nodeAlive(node));
     const damaged: string[] = [];
-    const read = await new NodeRegistry(pool.layout).fenced(node, undefined);
+    const read = await registry.fenced(node, undefined);
     if (read === 'unreadable') damaged.push(pool.layout.nodeFenced(node));
     const fenced = read === 'unreadable' ? [] : read;
-    const revocations = await new NodeRegistry(pool.layout).revocations(node).catch(() => undefined);
+    const revocations = await registry.revocations(node).catch(() => undefined);
     if (revocations === undefined) damaged.push(pool.layout.nodeRevocations(node));
     const requests = await board.requests(node);
     const answers = await board.answers(node);
