@@ -14,6 +14,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, TestEnv } from '../helpers/env.js';
 import { isRoot, MiB, scratchFilesystem, sha256 } from '../helpers/host.js';
+import { publish, stage, teardown } from '../helpers/volumes.js';
 import {
   allocated,
   copyRanges,
@@ -154,25 +155,13 @@ describe.skipIf(!isRoot()).each([
     const id = vol.volume?.volume_id ?? '';
     const staging = path.join(base, `staging-${name}`);
     const target = path.join(base, 'pod', name);
-    await fs.mkdir(staging, { recursive: true });
-    await fs.mkdir(path.dirname(target), { recursive: true });
     const session = async <T>(fn: () => Promise<T>): Promise<T> => {
-      await d.clients.node.NodeStageVolume({
-        volume_id: id,
-        staging_target_path: staging,
-        volume_capability: cap,
-      });
-      await d.clients.node.NodePublishVolume({
-        volume_id: id,
-        staging_target_path: staging,
-        target_path: target,
-        volume_capability: cap,
-      });
+      await stage(d, id, staging, cap);
+      await publish(d, id, staging, target, cap);
       try {
         return await fn();
       } finally {
-        await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
-        await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+        await teardown(d, id, staging, target);
       }
     };
     const count = pattern === 'runs' ? 12 : pattern === 'edges' ? 6 : 150;

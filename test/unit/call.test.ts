@@ -1,55 +1,22 @@
 /** The per-call wrapper and graceful stop, on an in-process gRPC server with scripted methods. */
 import fs from 'node:fs/promises';
-import path from 'node:path';
-import { Writable } from 'node:stream';
-import * as grpc from '@grpc/grpc-js';
-import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
 import { csiProto } from '../../src/server/proto.js';
 import { invalidArgument, notFound } from '../../src/errors.js';
-import { ExecRunner } from '../../src/exec/runner.js';
 import type { ControllerHandlers } from '../../src/gen/csi/v1/Controller.js';
 import { buildService, method, type Methods } from '../../src/server/call.js';
-import { InFlight } from '../../src/server/inflight.js';
-import { listen, stop } from '../../src/server/server.js';
-import { tempDir } from '../helpers/driver.js';
+import { stop } from '../../src/server/server.js';
 import { codeOf, csiClients, errorOf } from '../helpers/grpc.js';
+import { removeServeDirs, serveInProcess } from '../helpers/serve.js';
 
-const dirs: string[] = [];
-afterAll(async () => {
-  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
-});
-
-function capture() {
-  const lines: Record<string, unknown>[] = [];
-  const stream = new Writable({
-    write(chunk: Buffer, _enc, cb) {
-      for (const l of chunk.toString().split('\n'))
-        if (l) lines.push(JSON.parse(l) as Record<string, unknown>);
-      cb();
-    },
-  });
-  return { lines, log: pino({ level: 'debug' }, stream) };
-}
+afterAll(removeServeDirs);
 
 async function serve(methods: Methods<ControllerHandlers>) {
-  const dir = await tempDir('call');
-  dirs.push(dir);
-  const { lines, log } = capture();
-  const server = new grpc.Server();
   const def = csiProto().csi.v1.Controller.service;
-  server.addService(
-    def,
-    buildService<ControllerHandlers>('Controller', def, methods, {
-      log,
-      runner: new ExecRunner(),
-      inflight: new InFlight(),
-    }),
-  );
-  const endpoint = { kind: 'unix' as const, path: path.join(dir, 'csi.sock') };
-  await listen(server, endpoint, log);
-  const clients = csiClients(`unix://${endpoint.path}`);
-  return { server, endpoint, clients, lines, log };
+  const s = await serveInProcess('call', (server, deps) => {
+    server.addService(def, buildService<ControllerHandlers>('Controller', def, methods, deps));
+  });
+  return { ...s, clients: csiClients(s.url) };
 }
 
 describe('the per-call wrapper', () => {

@@ -3,11 +3,7 @@
  * scripted methods: validation before any work, one log line per call, the one error map, backpressure
  * and cancellation that closes the work.
  */
-import fs from 'node:fs/promises';
-import path from 'node:path';
-import { Writable } from 'node:stream';
 import * as grpc from '@grpc/grpc-js';
-import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
 import {
   DEFAULT_MAX_RESULTS,
@@ -17,21 +13,16 @@ import {
 } from '../../src/csi/snapshot-metadata.js';
 import { pluginCapabilities } from '../../src/csi/identity.js';
 import { invalidArgument, notFound } from '../../src/errors.js';
-import { ExecRunner } from '../../src/exec/runner.js';
 import type { GetMetadataAllocatedResponse } from '../../src/gen/csi/v1/GetMetadataAllocatedResponse.js';
 import type { SnapshotMetadataHandlers } from '../../src/gen/csi/v1/SnapshotMetadata.js';
 import type { Range } from '../../src/pool/extents.js';
-import { InFlight } from '../../src/server/inflight.js';
 import { csiProto } from '../../src/server/proto.js';
-import { listen, stop } from '../../src/server/server.js';
+import { stop } from '../../src/server/server.js';
 import { buildStreamingService, streamMethod, type StreamMethods } from '../../src/server/stream.js';
-import { tempDir } from '../helpers/driver.js';
 import { allocated, metadataClient } from '../helpers/metadata.js';
+import { removeServeDirs, serveInProcess } from '../helpers/serve.js';
 
-const dirs: string[] = [];
-afterAll(async () => {
-  for (const d of dirs) await fs.rm(d, { recursive: true, force: true });
-});
+afterAll(removeServeDirs);
 
 async function* ranges(list: readonly Range[]): AsyncGenerator<Range> {
   for (const r of list) {
@@ -108,41 +99,21 @@ describe('messages', () => {
   });
 });
 
-function capture() {
-  const lines: Record<string, unknown>[] = [];
-  const stream = new Writable({
-    write(chunk: Buffer, _enc, cb) {
-      for (const l of chunk.toString().split('\n'))
-        if (l) lines.push(JSON.parse(l) as Record<string, unknown>);
-      cb();
-    },
-  });
-  return { lines, log: pino({ level: 'debug' }, stream) };
-}
-
 async function serve(methods: StreamMethods<SnapshotMetadataHandlers>) {
-  const dir = await tempDir('stream');
-  dirs.push(dir);
-  const { lines, log } = capture();
-  const server = new grpc.Server();
   const def = csiProto().csi.v1.SnapshotMetadata.service;
-  server.addService(
-    def,
-    buildStreamingService<SnapshotMetadataHandlers>('SnapshotMetadata', def, methods, {
-      log,
-      runner: new ExecRunner(),
-      inflight: new InFlight(),
-    }),
-  );
-  const endpoint = { kind: 'unix' as const, path: path.join(dir, 'csi.sock') };
-  await listen(server, endpoint, log);
-  const client = metadataClient(`unix://${endpoint.path}`);
+  const s = await serveInProcess('stream', (server, deps) => {
+    server.addService(
+      def,
+      buildStreamingService<SnapshotMetadataHandlers>('SnapshotMetadata', def, methods, deps),
+    );
+  });
+  const client = metadataClient(s.url);
   return {
     client,
-    lines,
+    lines: s.lines,
     close: async () => {
       client.close();
-      await stop(server, endpoint, 1000, log);
+      await stop(s.server, s.endpoint, 1000, s.log);
     },
   };
 }
