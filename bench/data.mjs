@@ -8,7 +8,7 @@
 // alignment does not allow direct I/O, and the table says so.
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { GiB, MiB, capOf, median, round, sh, startDriver } from './lib.mjs';
+import { GiB, MiB, capOf, median, round, sh, stageAndPublish, startDriver } from './lib.mjs';
 
 const JOBS = [
   ['randread 4k', ['--rw=randread', '--bs=4k']],
@@ -95,13 +95,7 @@ export async function dataPath(dir, results, { runtime = 3, rounds = 1, depths =
     node_id: 'bench-node',
     volume_capability: cap,
   });
-  await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
-  await d.c.node.NodePublishVolume({
-    volume_id: id,
-    staging_target_path: staging,
-    target_path: target,
-    volume_capability: cap,
-  });
+  await stageAndPublish(d, id, cap, staging, target);
   const cmds = driverCommands(d.lines);
   const volDev = cmds.mount.args.at(-2);
   const poolBlock = sh('stat', ['-f', '-c', '%S', d.pool]).trim();

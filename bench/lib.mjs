@@ -216,3 +216,14 @@ export async function cleanup(dir) {
   }
   await fs.rm(dir, { recursive: true, force: true });
 }
+
+/** NodeStageVolume then NodePublishVolume, as the kubelet calls them. */
+export async function stageAndPublish(d, id, cap, staging, target) {
+  await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
+  await d.c.node.NodePublishVolume({
+    volume_id: id,
+    staging_target_path: staging,
+    target_path: target,
+    volume_capability: cap,
+  });
+}

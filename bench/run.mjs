@@ -10,7 +10,21 @@ import os from 'node:os';
 import path from 'node:path';
 import { dataPath } from './data.mjs';
 import { many } from './many.mjs';
-import { GiB, MiB, REPO, capOf, cleanup, median, mk, now, p95, round, sh, startDriver } from './lib.mjs';
+import {
+  GiB,
+  MiB,
+  REPO,
+  capOf,
+  cleanup,
+  median,
+  mk,
+  now,
+  p95,
+  round,
+  sh,
+  stageAndPublish,
+  startDriver,
+} from './lib.mjs';
 import { resources } from './resources.mjs';
 import { rpc } from './rpc.mjs';
 import { stage } from './stage.mjs';
@@ -32,17 +46,6 @@ const REPS = QUICK ? 3 : 9;
 
 // ---------------------------------------------------------------------------------------------
 // Provision-to-writable and teardown, against the same steps run by hand.
-
-/** NodeStageVolume then NodePublishVolume, as the kubelet calls them. */
-async function stageAndPublish(d, id, cap, staging, target) {
-  await d.c.node.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap });
-  await d.c.node.NodePublishVolume({
-    volume_id: id,
-    staging_target_path: staging,
-    target_path: target,
-    volume_capability: cap,
-  });
-}
 
 async function driverCycle(d, dir, kind, size, n) {
   const cap = capOf(kind);
