@@ -6,7 +6,7 @@
 import { alreadyExists, invalidArgument, notFound } from '../errors.js';
 import type { GroupControllerHandlers } from '../gen/csi/v1/GroupController.js';
 import type { VolumeGroupSnapshot } from '../gen/csi/v1/VolumeGroupSnapshot.js';
-import { groupSnapshotIdForName, isGroupSnapshotId, isVolumeId, snapshotIdForName } from '../pool/ids.js';
+import { groupMemberIdFor, groupSnapshotIdForName, isGroupSnapshotId, isVolumeId } from '../pool/ids.js';
 import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.js';
 import type { SnapshotStore } from '../pool/snapshots.js';
 import { method, type Methods } from '../server/call.js';
@@ -19,6 +19,7 @@ export interface GroupDeps extends CopyDeps {
   snapshots: SnapshotStore;
 }
 
+/** A member's name, for people to read; its id is not derived from it (see groupMemberIdFor). */
 const memberName = (groupId: string, volumeId: string): string => `${groupId}/${volumeId}`;
 
 function sameSet(a: readonly string[], b: readonly string[]): boolean {
@@ -28,7 +29,7 @@ function sameSet(a: readonly string[], b: readonly string[]): boolean {
 }
 
 export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
-  const { snapshots, volumes } = d;
+  const { pool, snapshots, volumes } = d;
 
   async function groupMessage(group: GroupSnapshotMeta): Promise<VolumeGroupSnapshot> {
     const members: SnapshotMeta[] = [];
@@ -74,97 +75,101 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
         };
       },
       locks: (v) => [v.id, ...v.sources],
-      run: async (v, ctx) => {
-        const record = await snapshots.inspectGroup(v.id);
-        if (record.state === 'damaged') await snapshots.quarantineGroup(v.id, record.reason);
-        if (record.state === 'absent') await snapshots.refuseQuarantinedGroup(v.id);
-        const existing = record.state === 'ok' ? record.value : undefined;
-        if (existing?.state === 'ready') {
-          if (!sameSet(existing.sourceVolumeIds, v.sources)) {
-            throw alreadyExists(
-              `A group snapshot named ${JSON.stringify(v.name)} already exists, of other volumes.`,
-            );
-          }
-          return { group_snapshot: await groupMessage(existing) };
-        }
-        const sources: VolumeMeta[] = [];
-        for (const id of v.sources) {
-          const meta = isVolumeId(id) ? await volumes.get(id) : undefined;
-          if (!meta) throw notFound(`Volume ${id} does not exist.`);
-          sources.push(meta);
-        }
-        if (existing) {
-          ctx.log.warn({ groupSnapshotId: v.id }, 'redoing an interrupted group snapshot from scratch');
-          await snapshots.deleteGroup(v.id, existing.snapshotIds);
-        }
-        const memberIds = sources.map((s) => snapshotIdForName(memberName(v.id, s.id)));
-        const group: GroupSnapshotMeta = {
-          format: 1,
-          id: v.id,
-          name: v.name,
-          state: 'creating',
-          sourceVolumeIds: v.sources,
-          snapshotIds: memberIds,
-          parameters: v.parameters,
-          createdAt: new Date().toISOString(),
-        };
-        await snapshots.writeGroup(group);
-        // The members stay "creating" (unlisted, not restorable) until the copy is known to be good:
-        // withConsistentSources checks that every freeze held until the last copy ended, after them.
-        let takenAt = group.createdAt;
-        try {
-          const made = await withConsistentSources(ctx, d, v.sources, async (plan) => {
-            const at = plan.takenAt;
-            const copied: SnapshotMeta[] = [];
-            for (const [i, src] of sources.entries()) {
-              const held = plan.source(src.id); // as it stands now that it is locked
-              const member: SnapshotMeta = {
-                format: 1,
-                id: memberIds[i] ?? '',
-                name: memberName(v.id, src.id),
-                state: 'creating',
-                sourceVolumeId: src.id,
-                sizeBytes: held.meta.capacityBytes,
-                fsType: held.meta.fsType,
-                initialized: held.initialized,
-                parameters: v.parameters,
-                groupSnapshotId: v.id,
-                createdAt: at.toISOString(),
-              };
-              const { snapshot } = await snapshots.create(
-                member,
-                async (image) => {
-                  await plan.copy(src.id, image);
-                  return {
-                    takenAt: at,
-                    sizeBytes: held.meta.capacityBytes,
-                    fsType: held.meta.fsType,
-                    initialized: held.initialized,
-                  };
-                },
-                { ready: false },
+      // The group's pool lock keeps a second controller (a standby after a failover) from redoing, and
+      // so deleting, a group this one is still copying.
+      run: (v, ctx) =>
+        pool.withLock(v.id, 'CreateVolumeGroupSnapshot', async (groupLock) => {
+          const record = await snapshots.inspectGroup(v.id);
+          if (record.state === 'damaged') await snapshots.quarantineGroup(v.id, record.reason);
+          if (record.state === 'absent') await snapshots.refuseQuarantinedGroup(v.id);
+          const existing = record.state === 'ok' ? record.value : undefined;
+          if (existing?.state === 'ready') {
+            if (!sameSet(existing.sourceVolumeIds, v.sources)) {
+              throw alreadyExists(
+                `A group snapshot named ${JSON.stringify(v.name)} already exists, of other volumes.`,
               );
-              copied.push(snapshot);
             }
-            takenAt = at.toISOString();
-            return copied;
-          });
-          for (const member of made) await snapshots.markReady(member);
-        } catch (err) {
-          // Nothing of a failed group is kept: its members are copies nobody may use.
-          await snapshots.deleteGroup(v.id, memberIds).catch((cleanupErr: unknown) => {
-            ctx.log.error(
-              { groupSnapshotId: v.id, err: cleanupErr },
-              'could not remove a failed group snapshot',
-            );
-          });
-          throw err;
-        }
-        const ready: GroupSnapshotMeta = { ...group, state: 'ready', createdAt: takenAt };
-        await snapshots.writeGroup(ready);
-        ctx.log.info({ groupSnapshotId: v.id, members: memberIds.length }, 'created group snapshot');
-        return { group_snapshot: await groupMessage(ready) };
-      },
+            return { group_snapshot: await groupMessage(existing) };
+          }
+          const sources: VolumeMeta[] = [];
+          for (const id of v.sources) {
+            const meta = isVolumeId(id) ? await volumes.get(id) : undefined;
+            if (!meta) throw notFound(`Volume ${id} does not exist.`);
+            sources.push(meta);
+          }
+          if (existing) {
+            ctx.log.warn({ groupSnapshotId: v.id }, 'redoing an interrupted group snapshot from scratch');
+            await snapshots.deleteGroup(v.id, existing.snapshotIds);
+          }
+          const memberIds = sources.map((s) => groupMemberIdFor(v.id, s.id));
+          const group: GroupSnapshotMeta = {
+            format: 1,
+            id: v.id,
+            name: v.name,
+            state: 'creating',
+            sourceVolumeIds: v.sources,
+            snapshotIds: memberIds,
+            parameters: v.parameters,
+            createdAt: new Date().toISOString(),
+          };
+          await snapshots.writeGroup(group);
+          // The members stay "creating" (unlisted, not restorable) until the copy is known to be good:
+          // withConsistentSources checks that every freeze held until the last copy ended, after them.
+          let takenAt = group.createdAt;
+          try {
+            const made = await withConsistentSources(ctx, d, v.sources, async (plan) => {
+              const at = plan.takenAt;
+              const copied: SnapshotMeta[] = [];
+              for (const [i, src] of sources.entries()) {
+                const held = plan.source(src.id); // as it stands now that it is locked
+                const member: SnapshotMeta = {
+                  format: 1,
+                  id: memberIds[i] ?? '',
+                  name: memberName(v.id, src.id),
+                  state: 'creating',
+                  sourceVolumeId: src.id,
+                  sizeBytes: held.meta.capacityBytes,
+                  fsType: held.meta.fsType,
+                  initialized: held.initialized,
+                  parameters: v.parameters,
+                  groupSnapshotId: v.id,
+                  createdAt: at.toISOString(),
+                };
+                const { snapshot } = await snapshots.create(
+                  member,
+                  async (image) => {
+                    await plan.copy(src.id, image);
+                    return {
+                      takenAt: at,
+                      sizeBytes: held.meta.capacityBytes,
+                      fsType: held.meta.fsType,
+                      initialized: held.initialized,
+                    };
+                  },
+                  { ready: false },
+                );
+                copied.push(snapshot);
+              }
+              takenAt = at.toISOString();
+              return copied;
+            });
+            for (const member of made) await snapshots.markReady(member);
+          } catch (err) {
+            // Nothing of a failed group is kept: its members are copies nobody may use.
+            await snapshots.deleteGroup(v.id, memberIds).catch((cleanupErr: unknown) => {
+              ctx.log.error(
+                { groupSnapshotId: v.id, err: cleanupErr },
+                'could not remove a failed group snapshot',
+              );
+            });
+            throw err;
+          }
+          const ready: GroupSnapshotMeta = { ...group, state: 'ready', createdAt: takenAt };
+          groupLock.assertHeld();
+          await snapshots.writeGroup(ready);
+          ctx.log.info({ groupSnapshotId: v.id, members: memberIds.length }, 'created group snapshot');
+          return { group_snapshot: await groupMessage(ready) };
+        }),
     }),
 
     DeleteVolumeGroupSnapshot: method({
@@ -174,13 +179,16 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
       }),
       locks: (v) => [v.id],
       run: async ({ id, listed }) => {
-        const record = await snapshots.inspectGroup(id);
-        if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason);
-        if (record.state !== 'ok') return {};
-        const group = record.value;
-        checkListed(group, listed);
-        await snapshots.deleteGroup(id, group.snapshotIds);
-        return {};
+        if (!isGroupSnapshotId(id)) return {};
+        return pool.withLock(id, 'DeleteVolumeGroupSnapshot', async () => {
+          const record = await snapshots.inspectGroup(id);
+          if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason);
+          if (record.state !== 'ok') return {};
+          const group = record.value;
+          checkListed(group, listed);
+          await snapshots.deleteGroup(id, group.snapshotIds);
+          return {};
+        });
       },
     }),
 

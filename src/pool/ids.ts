@@ -21,6 +21,12 @@ function digest(kind: string, name: string): string {
 export const volumeIdForName = (name: string): string => `vol-${digest('volume', name)}`;
 export const snapshotIdForName = (name: string): string => `snap-${digest('snapshot', name)}`;
 export const groupSnapshotIdForName = (name: string): string => `group-${digest('group-snapshot', name)}`;
+/**
+ * A group snapshot's member has an id of its own kind of name, which no CreateSnapshot name reaches:
+ * a caller's snapshot can never be taken for a member, nor deleted with a group.
+ */
+export const groupMemberIdFor = (groupId: string, volumeId: string): string =>
+  `snap-${digest('group-member', `${groupId}\0${volumeId}`)}`;
 
 export const isVolumeId = (id: string): boolean => VOLUME_ID_PATTERN.test(id);
 export const isSnapshotId = (id: string): boolean => SNAPSHOT_ID_PATTERN.test(id);

@@ -5,6 +5,7 @@
  */
 import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
+import { groupSnapshotIdForName } from '../../src/pool/ids.js';
 import type { QuiesceAnswer } from '../../src/pool/quiesce.js';
 import {
   type ControllerWorld,
@@ -170,6 +171,50 @@ describe('a group snapshot whose freeze ended before its copy did', () => {
       ready: true,
       members: listed.map((m) => m.id),
       listed: [[expect.any(String), a]],
+    });
+  });
+});
+
+describe('a group snapshot and the names and locks it shares with others', () => {
+  it("never takes, nor deletes, a user's snapshot named as one of its members", async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    const b = volumeIdOf(await w.CreateVolume('gb', { caps: [mountCapability()] }));
+    const groupId = groupSnapshotIdForName('g1');
+    // A CO (or a hostile caller) names its own snapshot of `b` as the group's member of `a` would be.
+    const own = (await w.CreateSnapshot(`${groupId}/${a}`, b)).snapshot?.snapshot_id;
+    const res = await w.CreateVolumeGroupSnapshot('g1', [a]);
+    const members = res.group_snapshot?.snapshots ?? [];
+    const ownAfter = own ? await w.snapshots.get(own) : undefined;
+    expect({
+      ready: res.group_snapshot?.ready_to_use,
+      memberSources: members.map((m) => m.source_volume_id),
+      memberIsOwn: members.some((m) => m.snapshot_id === own),
+      ownSource: ownAfter?.sourceVolumeId,
+      ownInGroup: Boolean(ownAfter?.groupSnapshotId),
+    }).toEqual({ ready: true, memberSources: [a], memberIsOwn: false, ownSource: b, ownInGroup: false });
+  });
+
+  it('waits while another controller holds the group (its pool lock), and then finds it done', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    const groupId = groupSnapshotIdForName('g1');
+    let call: Promise<unknown> | undefined;
+    let seenMeanwhile: unknown;
+    await w.pool.withLock(groupId, 'another controller', async () => {
+      call = w.CreateVolumeGroupSnapshot('g1', [a]);
+      call.catch(() => undefined);
+      await new Promise((r) => setTimeout(r, 300));
+      // Nothing of the group may be written by a call that does not hold it.
+      seenMeanwhile = await w.snapshots.inspectGroup(groupId);
+    });
+    const res = (await call) as Awaited<ReturnType<typeof w.CreateVolumeGroupSnapshot>>;
+    expect({
+      meanwhile: (seenMeanwhile as { state: string }).state,
+      ready: res.group_snapshot?.ready_to_use,
+    }).toEqual({
+      meanwhile: 'absent',
+      ready: true,
     });
   });
 });
