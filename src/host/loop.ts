@@ -11,7 +11,8 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
-import { CommandError, type Exec } from '../exec/runner.js';
+import { CommandError, detached, type Exec } from '../exec/runner.js';
+import { freshReading } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
 export interface LoopDevice {
@@ -116,21 +117,30 @@ async function backingIdentities(x: Exec, device?: string): Promise<Map<string, 
   return out;
 }
 
+/** Every attached loop device as sysfs shows it: one reading shared by the calls that ask at once. */
+const attachedLoops = freshReading(async (): Promise<readonly LoopDevice[]> => {
+  const names = (await fs.readdir(SYS_BLOCK)).filter((n) => /^loop\d+$/.test(n));
+  return (await Promise.all(names.map((n) => readLoop(n)))).filter((l): l is LoopDevice => l !== undefined);
+});
+
+/**
+ * Every loop device's backing identity: one losetup shared by the calls that ask at once. It runs free
+ * of the first caller's cancellation, since the others wait on it too.
+ */
+const allBackingIdentities = freshReading((x: Exec) => backingIdentities(detached(x)));
+
 /**
  * Every attached loop device. Those for which `identify` is true (by default all) also get their
- * backing file's device and inode.
+ * backing file's device and inode. Each caller gets its own copies.
  */
 export async function listLoops(
   x: Exec,
   identify: (l: LoopDevice) => boolean = () => true,
 ): Promise<LoopDevice[]> {
-  const names = (await fs.readdir(SYS_BLOCK)).filter((n) => /^loop\d+$/.test(n));
-  const loops = (await Promise.all(names.map((n) => readLoop(n)))).filter(
-    (l): l is LoopDevice => l !== undefined,
-  );
-  if (!loops.some(identify)) return loops;
-  const ids = await backingIdentities(x);
-  return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : l));
+  const loops = await attachedLoops();
+  if (!loops.some(identify)) return loops.map((l) => ({ ...l }));
+  const ids = await allBackingIdentities(x);
+  return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : { ...l }));
 }
 
 export interface AttachOptions {

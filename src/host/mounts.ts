@@ -4,6 +4,7 @@
  */
 import fs from 'node:fs/promises';
 import { CommandError, type Exec } from '../exec/runner.js';
+import { freshReading } from './fresh.js';
 
 export interface MountEntry {
   id: number;
@@ -47,8 +48,13 @@ export function parseMountInfo(text: string): MountEntry[] {
   return out;
 }
 
+const mountTable = freshReading(async (): Promise<readonly MountEntry[]> =>
+  parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8')),
+);
+
+/** The mount table, read after the call asked (shared with the calls that ask at once; see fresh.ts). */
 export async function readMounts(): Promise<MountEntry[]> {
-  return parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8'));
+  return (await mountTable()).map((m) => ({ ...m }));
 }
 
 /** The mounts stacked on `mountPoint`, the visible (last mounted) one last. */
