@@ -11,14 +11,18 @@ import { GiB, capOf, loopsUnder, mountsUnder, now, round, sleep, startDriver } f
 const run = promisify(execFile);
 const sh = async (cmd, argv) => (await run(cmd, argv, { env: { ...process.env, LC_ALL: 'C' } })).stdout;
 
-export async function many(dir, results, { count = 64, kind = 'ext4' } = {}) {
-  const d = await startDriver(await mkdir(dir, 'driver'));
+export async function many(dir, results, { count = 64, kind = 'ext4', nodeArgs = [] } = {}) {
+  const d = await startDriver(await mkdir(dir, 'driver'), [], nodeArgs);
   const cap = capOf(kind);
   const retries = {};
+  const took = {}; // method -> ms of each call, retries included: where the total goes
   const call = async (svc, method, req) => {
+    const started = now();
     for (let attempt = 0; ; attempt++) {
       try {
-        return await d.c[svc][method](req);
+        const res = await d.c[svc][method](req);
+        (took[method] ??= []).push(now() - started);
+        return res;
       } catch (err) {
         if (err.code !== 10 || attempt > 100) throw err; // 10: ABORTED
         retries[method] = (retries[method] ?? 0) + 1;
@@ -114,8 +118,17 @@ export async function many(dir, results, { count = 64, kind = 'ext4' } = {}) {
       'floor s': round(fdown / 1000, 2),
       ratio: round(down / fdown, 2),
     });
-    results.many = { count, kind, rows, abortedRetries: retries, leftLoops, leftMounts };
+    const perMethod = Object.entries(took).map(([method, ms]) => {
+      const sorted = [...ms].sort((a, b) => a - b);
+      return {
+        method,
+        'median ms': round(sorted[Math.floor(sorted.length / 2)], 1),
+        'max ms': round(sorted.at(-1), 1),
+      };
+    });
+    results.many = { count, kind, rows, perMethod, abortedRetries: retries, leftLoops, leftMounts };
     console.table(rows);
+    console.table(perMethod);
     console.log(
       `ABORTED retries per method: ${JSON.stringify(retries)}; left behind by the driver: ${leftLoops} loop devices, ${leftMounts} mounts`,
     );

@@ -6,9 +6,8 @@
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
-import { failpoint } from '../failpoints.js';
-import { conflict, mismatch, noSpace, unsafe } from '../errors.js';
-import { Turns } from './turns.js';
+import { conflict, mismatch, unsafe } from '../errors.js';
+import { NodeAdmission } from './node-admission.js';
 import { exists, listDir, readRecord, type RecordRead, removeFile, writeFileAtomic } from './fsutil.js';
 import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
@@ -26,14 +25,16 @@ import {
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 
 export abstract class VolumeFences {
-  /** This process's publishes to a node in order, up to 10 s each (a burst of pods scheduled at once). */
-  private readonly nodeTurns = new Turns(10_000);
+  /** This process's publishes to a node, admitted in batches against the node's limit (node-admission.ts). */
+  private readonly admission: NodeAdmission;
 
   constructor(
     protected readonly pool: Pool,
     protected readonly nodes: NodeRegistry,
     protected readonly log: Logger,
-  ) {}
+  ) {
+    this.admission = new NodeAdmission(pool, nodes, (id) => this.attachments(id));
+  }
 
   protected get layout() {
     return this.pool.layout;
@@ -152,17 +153,12 @@ export abstract class VolumeFences {
           `Volume ${id} is published to node ${blocking.node}; a single-node volume cannot be published to ${att.node} too.`,
         );
       }
-      await this.nodeTurns.run(att.node, `Node ${att.node}`, () =>
-        this.pool.withLock(`node-${att.node}`, 'ControllerPublishVolume', async () => {
-          const count = await this.countAttached(att.node, id);
-          if (count >= maxVolumes) {
-            throw noSpace(
-              `Node ${att.node} already has ${count} volumes published, its limit of ${maxVolumes}; unpublish one first.`,
-            );
-          }
-          await this.nodes.addAttached(att.node, id);
-          failpoint('publish:indexed');
-          // Before the node's lock is let go: the next count must see it (an entry without one is dropped).
+      await this.admission.admit(att.node, {
+        id,
+        maxVolumes,
+        // Runs under the node's lock, after the volume is in the node's index: the next count must see
+        // it (an index entry whose volume has no attachment is dropped when the node is at its limit).
+        commit: async () => {
           const f = await this.fenceFileForUpdate(id);
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
@@ -172,26 +168,10 @@ export abstract class VolumeFences {
             attachments: { ...f.attachments, [att.node]: att },
             detached: without(f.detached, new Set([att.node])),
           });
-        }),
-      );
+        },
+      });
       return 'created';
     });
-  }
-
-  /** Volumes published to `node` other than `except`, dropping index entries whose volume no longer has the attachment. */
-  private async countAttached(node: string, except: string): Promise<number> {
-    // Read side by side, not one after another: this runs under the node's lock, and a node with many
-    // volumes made concurrent publishes to it wait (and give up with ABORTED) behind N sequential reads.
-    const vids = (await this.nodes.attachedVolumes(node)).filter((vid) => vid !== except);
-    const held = await Promise.all(
-      vids.map(async (vid) => (await this.attachments(vid)).some((a) => a.node === node)),
-    );
-    let count = 0;
-    for (const [i, vid] of vids.entries()) {
-      if (held[i]) count++;
-      else await this.nodes.removeAttached(node, vid);
-    }
-    return count;
   }
 
   /**

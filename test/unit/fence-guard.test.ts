@@ -392,4 +392,25 @@ describe('a burst of publishes to one node', () => {
     });
     expect(await w.d.nodes.attachedVolumes(NODE)).toHaveLength(40);
   }, 60_000);
+
+  it('at the limit, index entries left by publishes killed half-way are checked and dropped, not counted', async () => {
+    const w = await world();
+    const att = {
+      node: NODE,
+      readonly: false,
+      accessType: 'mount',
+      mode: 'SINGLE_NODE_WRITER',
+      since: 'x',
+    } as const;
+    // Three publishes killed after indexing the volume on the node, before writing its attachment.
+    for (let i = 0; i < 3; i++) await w.d.nodes.addAttached(NODE, (await newVolume(w)).id);
+    const one = (await newVolume(w)).id;
+    const two = (await newVolume(w)).id;
+    expect({
+      first: await codeOf(w.volumes.publish(one, att, 3)),
+      second: await codeOf(w.volumes.publish(two, att, 2)),
+      third: await codeOf(w.volumes.publish((await newVolume(w)).id, att, 2)),
+      index: (await w.d.nodes.attachedVolumes(NODE)).sort(),
+    }).toEqual({ first: 'OK', second: 'OK', third: 'RESOURCE_EXHAUSTED', index: [one, two].sort() });
+  });
 });

@@ -1,0 +1,97 @@
+/**
+ * The node attach limit (ControllerPublishVolume's RESOURCE_EXHAUSTED), kept exact across processes
+ * and fast for a burst. This process's publishes to a node are admitted in batches (turns.ts): each
+ * batch in order under one taking of the node's pool lock, its records then written side by side
+ * before the lock is let go, so the next count sees them.
+ *
+ * The node's index (nodes/<node>.attached/) holds every attachment: an entry is added before its
+ * attachment is written, and removed after it is gone. So fewer entries than the limit is the answer at
+ * once. Only at the limit is each entry checked against its volume's attachments (reading every
+ * volume's records), dropping those left by a publish killed half-way or by an old release.
+ */
+import { failpoint } from '../failpoints.js';
+import { noSpace } from '../errors.js';
+import type { NodeRegistry } from './nodes.js';
+import type { Pool } from './pool.js';
+import { Turns } from './turns.js';
+import type { Attachment } from './types.js';
+
+/** A publish waiting for its node: admitted against the node's limit, then `commit` writes its records. */
+export interface NodePublish {
+  id: string;
+  maxVolumes: number;
+  /** Runs under the node's lock, once the volume is in the node's index. */
+  commit: () => Promise<void>;
+}
+
+export class NodeAdmission {
+  /** A publish waits up to 10 s for its batch (a burst of pods scheduled at once). */
+  private readonly turns = new Turns<NodePublish, void>(10_000, (node, batch) =>
+    this.admitBatch(node, batch),
+  );
+
+  constructor(
+    private readonly pool: Pool,
+    private readonly nodes: NodeRegistry,
+    private readonly attachments: (id: string) => Promise<Attachment[]>,
+  ) {}
+
+  /** Admits `p` to `node` and writes its records; RESOURCE_EXHAUSTED at the node's limit. */
+  admit(node: string, p: NodePublish): Promise<void> {
+    return this.turns.run(node, `Node ${node}`, p);
+  }
+
+  private async admitBatch(
+    node: string,
+    batch: readonly NodePublish[],
+  ): Promise<PromiseSettledResult<void>[]> {
+    return this.pool.withLock(`node-${node}`, 'ControllerPublishVolume', async () => {
+      const index = new Set(await this.nodes.attachedVolumes(node));
+      const admitted = new Set<string>();
+      let checked = false;
+      const refusals: (Error | undefined)[] = [];
+      for (const p of batch) {
+        const others = (): number => index.size - (index.has(p.id) ? 1 : 0);
+        if (others() >= p.maxVolumes && !checked) {
+          checked = true;
+          await this.dropStaleEntries(node, index, admitted);
+        }
+        const count = others();
+        if (count >= p.maxVolumes) {
+          refusals.push(
+            noSpace(
+              `Node ${node} already has ${count} volumes published, its limit of ${p.maxVolumes}; unpublish one first.`,
+            ),
+          );
+        } else {
+          refusals.push(undefined);
+          index.add(p.id);
+          admitted.add(p.id);
+        }
+      }
+      return Promise.allSettled(
+        batch.map(async (p, i) => {
+          const refused = refusals[i];
+          if (refused) throw refused;
+          await this.nodes.addAttached(node, p.id);
+          failpoint('publish:indexed');
+          await p.commit();
+        }),
+      );
+    });
+  }
+
+  /** Drops from `index` (and from the node's index on disk) the volumes, other than `keep`, with no attachment to `node`. */
+  private async dropStaleEntries(node: string, index: Set<string>, keep: ReadonlySet<string>): Promise<void> {
+    const vids = [...index].filter((vid) => !keep.has(vid));
+    // Read side by side, not one after another: this runs under the node's lock.
+    const held = await Promise.all(
+      vids.map(async (vid) => (await this.attachments(vid)).some((a) => a.node === node)),
+    );
+    for (const [i, vid] of vids.entries()) {
+      if (held[i]) continue;
+      index.delete(vid);
+      await this.nodes.removeAttached(node, vid);
+    }
+  }
+}
