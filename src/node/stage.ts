@@ -145,7 +145,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // too. The lease goes last, and only when nothing of the volume is left attached here.
   const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
   const attach = async (ro: boolean): Promise<LoopDevice> => {
-    const before = new Set((await lookAtHost(d, x, r.id)).loops.map((l) => l.name));
+    // Every attached device's name (sysfs alone, no losetup): a failed attach detaches only the volume's
+    // devices that are not among them.
+    const before = new Set((await d.host.loops(x, () => false)).map((l) => l.name));
     try {
       const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
       undo.push((cx) => d.host.detach(cx, loop));

@@ -320,6 +320,25 @@ describe('a stage that fails undoes what it did', () => {
     },
   );
 
+  it("a killed attach detaches only the device it made, never another volume's or one that was there", async () => {
+    const w = await world();
+    const other = (await newVolume(w)).id;
+    await stage(w, other); // loop0, mounted at STAGING
+    const { id } = await newVolume(w);
+    w.host.killAfter('attach');
+    const staging = `${STAGING}-2`;
+    w.host.addPath(staging);
+    const code = await codeOf(
+      stageVolume(w.d, w.x, { id, staging, cap: cap(), publishPool: undefined, poolId: undefined }),
+    );
+    expect({
+      code,
+      attached: [...w.host.attached.keys()],
+      mounted: w.host.table.map((m) => m.mountPoint),
+      lease: await w.volumes.lease(id, NODE),
+    }).toEqual({ code: 'INTERNAL', attached: ['loop0'], mounted: [STAGING], lease: undefined });
+  });
+
   it('keeps the lease when the rollback cannot detach the volume (something still holds it)', async () => {
     const w = await world();
     const { id } = await newVolume(w);
