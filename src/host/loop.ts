@@ -8,6 +8,7 @@
  * it as the mount namespace of the process that attached it saw it, so a plugin in a new container
  * reads something like /volumes/vol-…/disk.img for an image it knows as /var/lib/loopvol/pool/….
  */
+import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
@@ -31,9 +32,15 @@ export interface LoopDevice {
 const SYS_BLOCK = '/sys/block';
 const DELETED_SUFFIX = ' (deleted)';
 
-async function readSys(file: string): Promise<string | undefined> {
+/**
+ * One sysfs attribute. Read synchronously: sysfs files live in memory and answer in microseconds, and
+ * a scan reads several per loop device (a node with 100 devices: 100 opens that fail, for the
+ * detached ones, and 5 reads each for the attached), which through the thread pool cost far more than
+ * the reads themselves, and more the more calls scan at once.
+ */
+function readSys(file: string): string | undefined {
   try {
-    return (await fs.readFile(file, 'utf8')).trim();
+    return readFileSync(file, 'utf8').trim();
   } catch (err) {
     const code = errnoCode(err);
     if (code === 'ENOENT' || code === 'ENXIO' || code === 'ENODEV') return undefined;
@@ -42,16 +49,24 @@ async function readSys(file: string): Promise<string | undefined> {
 }
 
 /** One loop device from sysfs (without its backing identity), or undefined when it is not attached. */
-export async function readLoop(name: string): Promise<LoopDevice | undefined> {
+export function readLoop(name: string): Promise<LoopDevice | undefined> {
+  try {
+    return Promise.resolve(loopFromSysfs(name));
+  } catch (err) {
+    return Promise.reject(err instanceof Error ? err : new Error(String(err)));
+  }
+}
+
+function loopFromSysfs(name: string): LoopDevice | undefined {
   const base = path.join(SYS_BLOCK, name);
-  const backingFile = await readSys(path.join(base, 'loop', 'backing_file'));
+  const backingFile = readSys(path.join(base, 'loop', 'backing_file'));
   if (backingFile === undefined) return undefined; // not attached
-  const [ro, dio, size, dev] = await Promise.all([
+  const [ro, dio, size, dev] = [
     readSys(path.join(base, 'ro')),
     readSys(path.join(base, 'loop', 'dio')),
     readSys(path.join(base, 'size')),
     readSys(path.join(base, 'dev')),
-  ]);
+  ];
   return {
     name,
     path: `/dev/${name}`,
@@ -120,7 +135,7 @@ async function backingIdentities(x: Exec, device?: string): Promise<Map<string, 
 /** Every attached loop device as sysfs shows it: one reading shared by the calls that ask at once. */
 const attachedLoops = freshReading(async (): Promise<readonly LoopDevice[]> => {
   const names = (await fs.readdir(SYS_BLOCK)).filter((n) => /^loop\d+$/.test(n));
-  return (await Promise.all(names.map((n) => readLoop(n)))).filter((l): l is LoopDevice => l !== undefined);
+  return names.map(loopFromSysfs).filter((l): l is LoopDevice => l !== undefined);
 });
 
 /**
