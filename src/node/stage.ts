@@ -145,9 +145,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // too. The lease goes last, and only when nothing of the volume is left attached here.
   const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
   const attach = async (ro: boolean): Promise<LoopDevice> => {
-    // Every attached device's name (sysfs alone, no losetup): a failed attach detaches only the volume's
-    // devices that are not among them.
-    const before = new Set((await d.host.loops(x, () => false)).map((l) => l.name));
+    // Every attached device by name and the backing path sysfs shows (sysfs alone, no losetup): a
+    // failed attach detaches only the volume's devices that are not among them. The path is part of the
+    // key because a name is reused: another volume's device detached meanwhile can hand its name to
+    // this attach.
+    const before = new Set((await d.host.loops(x, () => false)).map(attachmentKey));
     try {
       const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
       undo.push((cx) => d.host.detach(cx, loop));
@@ -244,11 +246,14 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   }
 }
 
+/** A loop device as attached: its name and the backing file's path as sysfs shows it. */
+const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;
+
 /** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */
 async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<string>): Promise<void> {
   const now = await lookAtHost(d, x, id);
   for (const l of now.loops) {
-    if (before.has(l.name) || now.mounts.some((m) => loopOfMount(m, [l]))) continue;
+    if (before.has(attachmentKey(l)) || now.mounts.some((m) => loopOfMount(m, [l]))) continue;
     x.log.warn({ device: l.path }, 'detaching a loop device an interrupted attach left');
     await d.host.detach(x, l);
   }

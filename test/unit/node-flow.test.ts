@@ -339,6 +339,28 @@ describe('a stage that fails undoes what it did', () => {
     }).toEqual({ code: 'INTERNAL', attached: ['loop0'], mounted: [STAGING], lease: undefined });
   });
 
+  it("a killed attach detaches the device it made under a name another volume's device had just before", async () => {
+    const w = await world();
+    const otherImage = (await newVolume(w)).image;
+    await w.host.attach(w.x, otherImage, undefined, { readOnly: false, directIo: false }); // loop0
+    const { id } = await newVolume(w);
+    const attach = w.host.attach.bind(w.host);
+    w.host.attach = async (...args) => {
+      w.host.attach = attach;
+      // The other volume's unstage detaches loop0 between this stage's look and its losetup --find,
+      // which then hands loop0 to this volume; losetup is killed once the kernel attached it.
+      w.host.attached.delete('loop0');
+      await attach(...args);
+      throw commandError('losetup', 'losetup: killed');
+    };
+    const code = await codeOf(stage(w, id));
+    expect({
+      code,
+      attached: [...w.host.attached.values()].map((l) => l.image),
+      lease: await w.volumes.lease(id, NODE),
+    }).toEqual({ code: 'INTERNAL', attached: [], lease: undefined });
+  });
+
   it('keeps the lease when the rollback cannot detach the volume (something still holds it)', async () => {
     const w = await world();
     const { id } = await newVolume(w);
