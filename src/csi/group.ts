@@ -99,6 +99,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
           }
           if (existing) {
             ctx.log.warn({ groupSnapshotId: v.id }, 'redoing an interrupted group snapshot from scratch');
+            groupLock.assertHeld();
             await snapshots.deleteGroup(v.id, existing.snapshotIds);
           }
           const memberIds = sources.map((s) => groupMemberIdFor(v.id, s.id));
@@ -112,6 +113,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
             parameters: v.parameters,
             createdAt: new Date().toISOString(),
           };
+          groupLock.assertHeld();
           await snapshots.writeGroup(group);
           // The members stay "creating" (unlisted, not restorable) until the copy is known to be good:
           // withConsistentSources checks that every freeze held until the last copy ended, after them.
@@ -153,8 +155,14 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
               takenAt = at.toISOString();
               return copied;
             });
-            for (const member of made) await snapshots.markReady(member);
+            for (const member of made) {
+              groupLock.assertHeld();
+              await snapshots.markReady(member);
+            }
           } catch (err) {
+            // With the group's lock lost, another process may own this group now (and have finished
+            // it): what is there is that process's, not this one's to clear.
+            if (groupLock.signal.aborted) throw err;
             // Nothing of a failed group is kept: its members are copies nobody may use.
             await snapshots.deleteGroup(v.id, memberIds).catch((cleanupErr: unknown) => {
               ctx.log.error(
@@ -180,12 +188,13 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
       locks: (v) => [v.id],
       run: async ({ id, listed }) => {
         if (!isGroupSnapshotId(id)) return {};
-        return pool.withLock(id, 'DeleteVolumeGroupSnapshot', async () => {
+        return pool.withLock(id, 'DeleteVolumeGroupSnapshot', async (groupLock) => {
           const record = await snapshots.inspectGroup(id);
           if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason);
           if (record.state !== 'ok') return {};
           const group = record.value;
           checkListed(group, listed);
+          groupLock.assertHeld();
           await snapshots.deleteGroup(id, group.snapshotIds);
           return {};
         });

@@ -5,7 +5,9 @@
  */
 import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
+import { busy } from '../../src/errors.js';
 import { groupSnapshotIdForName } from '../../src/pool/ids.js';
+import type { HeldLock } from '../../src/pool/lock.js';
 import type { QuiesceAnswer } from '../../src/pool/quiesce.js';
 import {
   type ControllerWorld,
@@ -216,5 +218,43 @@ describe('a group snapshot and the names and locks it shares with others', () =>
       meanwhile: 'absent',
       ready: true,
     });
+  });
+
+  it("whose pool lock was lost deletes nothing in its cleanup: the group is the new holder's", async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    const groupId = groupSnapshotIdForName('g1');
+    const lost = new AbortController();
+    const pool = w.pool as unknown as { withLock: (...a: unknown[]) => Promise<unknown> };
+    const orig = pool.withLock.bind(w.pool);
+    pool.withLock = (key: unknown, purpose: unknown, fn: unknown, ...rest: unknown[]) => {
+      if (key !== groupId) return orig(key, purpose, fn, ...rest);
+      return orig(
+        key,
+        purpose,
+        (l: HeldLock) =>
+          (fn as (l: HeldLock) => Promise<unknown>)({
+            ...l,
+            signal: lost.signal,
+            assertHeld: () => {
+              if (lost.signal.aborted) throw busy('lost');
+            },
+          }),
+        ...rest,
+      );
+    };
+    const snaps = w.snapshots as unknown as { markReady: (...a: unknown[]) => Promise<unknown> };
+    snaps.markReady = async () => {
+      // A stalled past the lease: B took the group over, redid it and answered the CO "ready".
+      lost.abort(new Error('another process took the lock over'));
+      const g = await w.snapshots.readGroup(groupId);
+      if (!g) throw new Error('the group record is missing');
+      await w.snapshots.writeGroup({ ...g, state: 'ready' });
+      // A's member no longer is what it made (B remade it): A's markReady fails, as the real one does.
+      throw busy('changed by another call');
+    };
+    const code = await codeOf(w.CreateVolumeGroupSnapshot('g1', [a]));
+    const after = await w.snapshots.inspectGroup(groupId);
+    expect({ code, groupAfter: after.state }).toEqual({ code: 'ABORTED', groupAfter: 'ok' });
   });
 });
