@@ -46,39 +46,62 @@ export class NodeAdmission {
     batch: readonly NodePublish[],
   ): Promise<PromiseSettledResult<void>[]> {
     return this.pool.withLock(`node-${node}`, 'ControllerPublishVolume', async () => {
-      const index = new Set(await this.nodes.attachedVolumes(node));
-      const admitted = new Set<string>();
-      let checked = false;
-      const refusals: (Error | undefined)[] = [];
-      for (const p of batch) {
-        const others = (): number => index.size - (index.has(p.id) ? 1 : 0);
-        if (others() >= p.maxVolumes && !checked) {
-          checked = true;
-          await this.dropStaleEntries(node, index, admitted);
+      const results = new Array<PromiseSettledResult<void>>(batch.length);
+      // Those refused are judged again when one admitted before them failed: the slot it took is free
+      // (its index entry, if written, has no attachment and is dropped at the limit).
+      let pending = batch.map((_, i) => i);
+      while (pending.length > 0) {
+        const refused = await this.decide(
+          node,
+          pending.map((i) => batch[i] as NodePublish),
+        );
+        const admitted = pending.filter((_, k) => refused[k] === undefined);
+        const settled = await Promise.allSettled(
+          admitted.map(async (i) => {
+            const p = batch[i] as NodePublish;
+            await this.nodes.addAttached(node, p.id);
+            failpoint('publish:indexed');
+            await p.commit();
+          }),
+        );
+        for (const [k, i] of admitted.entries()) results[i] = settled[k] as PromiseSettledResult<void>;
+        const refusedNow = pending.filter((_, k) => refused[k] !== undefined);
+        for (const [k, i] of pending.entries()) {
+          const err = refused[k];
+          if (err) results[i] = { status: 'rejected', reason: err };
         }
-        const count = others();
-        if (count >= p.maxVolumes) {
-          refusals.push(
-            noSpace(
-              `Node ${node} already has ${count} volumes published, its limit of ${p.maxVolumes}; unpublish one first.`,
-            ),
-          );
-        } else {
-          refusals.push(undefined);
-          index.add(p.id);
-          admitted.add(p.id);
-        }
+        pending = settled.some((r) => r.status === 'rejected') ? refusedNow : [];
       }
-      return Promise.allSettled(
-        batch.map(async (p, i) => {
-          const refused = refusals[i];
-          if (refused) throw refused;
-          await this.nodes.addAttached(node, p.id);
-          failpoint('publish:indexed');
-          await p.commit();
-        }),
-      );
+      return results;
     });
+  }
+
+  /** Admits `batch` in order against the node's index; each refusal (RESOURCE_EXHAUSTED) at its place. */
+  private async decide(node: string, batch: readonly NodePublish[]): Promise<(Error | undefined)[]> {
+    const index = new Set(await this.nodes.attachedVolumes(node));
+    const admitted = new Set<string>();
+    let checked = false;
+    const refusals: (Error | undefined)[] = [];
+    for (const p of batch) {
+      const others = (): number => index.size - (index.has(p.id) ? 1 : 0);
+      if (others() >= p.maxVolumes && !checked) {
+        checked = true;
+        await this.dropStaleEntries(node, index, admitted);
+      }
+      const count = others();
+      if (count >= p.maxVolumes) {
+        refusals.push(
+          noSpace(
+            `Node ${node} already has ${count} volumes published, its limit of ${p.maxVolumes}; unpublish one first.`,
+          ),
+        );
+      } else {
+        refusals.push(undefined);
+        index.add(p.id);
+        admitted.add(p.id);
+      }
+    }
+    return refusals;
   }
 
   /** Drops from `index` (and from the node's index on disk) the volumes, other than `keep`, with no attachment to `node`. */

@@ -393,6 +393,40 @@ describe('a burst of publishes to one node', () => {
     expect(await w.d.nodes.attachedVolumes(NODE)).toHaveLength(40);
   }, 60_000);
 
+  it('a member that fails once admitted does not leave a later member of its batch refused', async () => {
+    const w = await world();
+    const att2 = {
+      node: NODE,
+      readonly: false,
+      accessType: 'mount',
+      mode: 'SINGLE_NODE_WRITER',
+      since: 'x',
+    } as const;
+    const first = (await newVolume(w)).id;
+    const bad = (await newVolume(w)).id;
+    const good = (await newVolume(w)).id;
+    const nodes = w.d.nodes as unknown as { addAttached: (n: string, v: string) => Promise<void> };
+    const orig = nodes.addAttached.bind(nodes);
+    let open!: () => void;
+    const gate = new Promise<void>((r) => (open = r));
+    let reached!: () => void;
+    const atGate = new Promise<void>((r) => (reached = r));
+    nodes.addAttached = async (n, v) => {
+      if (v === first) {
+        reached();
+        await gate; // hold the first batch until the other two queue behind it
+      }
+      if (v === bad) throw new Error('EIO writing the index');
+      return orig(n, v);
+    };
+    const p1 = codeOf(w.volumes.publish(first, att2, 2));
+    await atGate;
+    const p2 = codeOf(w.volumes.publish(bad, att2, 2));
+    const p3 = codeOf(w.volumes.publish(good, att2, 2));
+    await new Promise((r) => setTimeout(r, 300)); // both queue behind the first batch
+    open();
+    expect(await Promise.all([p1, p2, p3])).toEqual(['OK', 'INTERNAL', 'OK']);
+  });
   it('at the limit, index entries left by publishes killed half-way are checked and dropped, not counted', async () => {
     const w = await world();
     const att = {

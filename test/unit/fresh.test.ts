@@ -66,4 +66,21 @@ describe('freshReading', () => {
     c.ends[2]?.(3);
     expect(await third).toBe(3);
   });
+
+  it('gives a caller who asks while the queued reading runs a later one still', async () => {
+    const c = controlled();
+    const a = c.read();
+    const b = c.read(); // queued behind a's
+    c.ends[0]?.(0);
+    await a;
+    await c.tick(); // b's reading has begun
+    expect(c.starts.length).toBe(2);
+    const late = c.read(); // asked while b's reading runs: must not get it
+    c.ends[1]?.(1);
+    expect(await b).toBe(1);
+    await c.tick();
+    expect(c.starts.length).toBe(3);
+    c.ends[2]?.(2);
+    expect(await late).toBe(2);
+  });
 });

@@ -58,6 +58,27 @@ describe('Turns', () => {
     ]);
   });
 
+  it('fails every item of a batch of several when the handler throws', async () => {
+    let calls = 0;
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    const turns = new Turns<number, number>(10_000, async (_key, items) => {
+      calls++;
+      if (calls === 1) await gate;
+      if (calls === 2) throw new Error('the lock was not had');
+      return items.map((n) => ({ status: 'fulfilled', value: n }));
+    });
+    const first = turns.run('k', 'k', 0);
+    const batch = Promise.allSettled([1, 2, 3].map((n) => turns.run('k', 'k', n)));
+    release();
+    await first;
+    expect((await batch).map((r) => (r.status === 'fulfilled' ? r.value : String(r.reason)))).toEqual([
+      'Error: the lock was not had',
+      'Error: the lock was not had',
+      'Error: the lock was not had',
+    ]);
+  });
+
   it('answers ABORTED to an item whose batch has not begun within its wait', async () => {
     let release!: () => void;
     const gate = new Promise<void>((r) => (release = r));
