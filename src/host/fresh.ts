@@ -1,3 +1,5 @@
+import { CallStopped, type RunScope } from '../exec/runner.js';
+
 /**
  * One reading of the host shared by the calls that ask for it at about the same time, without ever
  * handing a call a reading older than its question.
@@ -35,4 +37,51 @@ export function freshReading<A extends unknown[], T>(
     next = queued;
     return queued;
   };
+}
+
+/**
+ * Waits for a shared reading as long as the caller is there: a reading shared with others runs free of
+ * any one caller's cancellation and deadline, and each caller stops waiting for it at its own
+ * (CallStopped), as it would have stopped its own command.
+ */
+export function whileCalling<T>(scope: RunScope, shared: Promise<T>): Promise<T> {
+  const { signal, deadline } = scope;
+  if (!signal && (deadline === undefined || !Number.isFinite(deadline))) return shared;
+  return new Promise<T>((resolve, reject) => {
+    let timer: NodeJS.Timeout | undefined;
+    const stop = (why: 'cancelled' | 'deadline'): void => {
+      done();
+      reject(new CallStopped(why));
+    };
+    const onAbort = (): void => {
+      stop('cancelled');
+    };
+    const done = (): void => {
+      clearTimeout(timer);
+      signal?.removeEventListener('abort', onAbort);
+    };
+    if (signal?.aborted) {
+      stop('cancelled');
+      return;
+    }
+    signal?.addEventListener('abort', onAbort, { once: true });
+    if (deadline !== undefined && Number.isFinite(deadline)) {
+      timer = setTimeout(
+        () => {
+          stop('deadline');
+        },
+        Math.max(0, deadline - Date.now()),
+      );
+    }
+    shared.then(
+      (v) => {
+        done();
+        resolve(v);
+      },
+      (err: unknown) => {
+        done();
+        reject(err instanceof Error ? err : new Error(String(err)));
+      },
+    );
+  });
 }

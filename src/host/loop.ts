@@ -13,7 +13,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CommandError, detached, type Exec } from '../exec/runner.js';
-import { freshReading } from './fresh.js';
+import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
 export interface LoopDevice {
@@ -154,7 +154,7 @@ export async function listLoops(
 ): Promise<LoopDevice[]> {
   const loops = await attachedLoops();
   if (!loops.some(identify)) return loops.map((l) => ({ ...l }));
-  const ids = await allBackingIdentities(x);
+  const ids = await whileCalling(x, allBackingIdentities(x));
   return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : { ...l }));
 }
 

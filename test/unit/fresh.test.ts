@@ -3,7 +3,9 @@
  * that began before it asked (which could miss the call's own last step).
  */
 import { describe, expect, it } from 'vitest';
-import { freshReading } from '../../src/host/fresh.js';
+import pino from 'pino';
+import { CallStopped } from '../../src/exec/runner.js';
+import { freshReading, whileCalling } from '../../src/host/fresh.js';
 
 /** A reading whose end the test decides; it records when it began. */
 function controlled() {
@@ -82,5 +84,24 @@ describe('freshReading', () => {
     expect(c.starts.length).toBe(3);
     c.ends[2]?.(2);
     expect(await late).toBe(2);
+  });
+});
+
+describe('whileCalling', () => {
+  it("stops a caller's wait at its cancellation and its deadline, and leaves the shared reading running", async () => {
+    const log = pino({ level: 'silent' });
+    let finish!: (v: number) => void;
+    const shared = new Promise<number>((r) => (finish = r));
+    const caller = new AbortController();
+    const cancelled = whileCalling({ log, signal: caller.signal }, shared);
+    const late = whileCalling({ log, deadline: Date.now() + 30 }, shared);
+    const patient = whileCalling({ log }, shared);
+    caller.abort();
+    const why = async (p: Promise<number>) =>
+      p.then(String, (e: unknown) => (e instanceof CallStopped ? e.reason : String(e)));
+    expect(await why(cancelled)).toBe('cancelled');
+    expect(await why(late)).toBe('deadline');
+    finish(7);
+    expect(await patient).toBe(7);
   });
 });
