@@ -120,6 +120,16 @@ async function serve(
       const loops = await loopsBackedBy(kernelHost, startup, image);
       return loops.length > 0 ? `attached as ${loops.map((l) => l.path).join(', ')}` : undefined;
     };
+    // Publishes wait for this (it reads every volume's attachments once); serving starts at once.
+    volumes.repairNodeIndex().then(
+      (added) => {
+        if (added > 0)
+          log.warn({ added }, 'added node index entries of attachments an older release had lost');
+      },
+      (err: unknown) => {
+        log.error({ err }, 'could not check the node index against the attachments');
+      },
+    );
     out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
     out.group = groupService({ ...copy, snapshots });
     out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });

@@ -40,6 +40,11 @@ export abstract class VolumeFences {
     return this.pool.layout;
   }
 
+  /** Adds the node index entries an older release lost (see NodeAdmission.repairIndex); how many. */
+  repairNodeIndex(): Promise<number> {
+    return this.admission.repairIndex();
+  }
+
   /** A volume that exists and is complete, or NOT_FOUND. */
   abstract mustGet(id: string): Promise<VolumeMeta>;
 

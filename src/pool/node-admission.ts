@@ -7,9 +7,14 @@
  * The node's index (nodes/<node>.attached/) holds every attachment: an entry is added before its
  * attachment is written, and removed after it is gone. So fewer entries than the limit is the answer at
  * once. Only at the limit is each entry checked against its volume's attachments (reading every
- * volume's records), dropping those left by a publish killed half-way or by an old release.
+ * volume's records), dropping those left by a publish killed half-way or by an old release. Releases
+ * before this scheme could lose entries of live attachments (their count raced the attachment's
+ * write): a controller adds back what is missing when it starts (`repairIndex`), and admits nothing
+ * before that is done.
  */
 import { failpoint } from '../failpoints.js';
+import { listDir } from './fsutil.js';
+import { isNodeId, isVolumeId } from './ids.js';
 import { noSpace } from '../errors.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
@@ -36,15 +41,51 @@ export class NodeAdmission {
     private readonly attachments: (id: string) => Promise<Attachment[]>,
   ) {}
 
+  /** Until the index is known whole (see repairIndex), admissions wait for it. */
+  private repaired: Promise<void> = Promise.resolve();
+
   /** Admits `p` to `node` and writes its records; RESOURCE_EXHAUSTED at the node's limit. */
   admit(node: string, p: NodePublish): Promise<void> {
     return this.turns.run(node, `Node ${node}`, p);
+  }
+
+  /**
+   * Adds to each node's index the volumes attached to it that it lacks (left by an older release), and
+   * makes admissions wait until that is done. An entry added for an attachment removed meanwhile is
+   * harmless: it is dropped when its node reaches its limit. Returns how many entries were missing.
+   */
+  repairIndex(): Promise<number> {
+    const work = (async () => {
+      let added = 0;
+      const indexes = new Map<string, Set<string>>();
+      for (const id of (await listDir(this.pool.layout.volumesDir)).filter(isVolumeId)) {
+        for (const { node } of await this.attachments(id)) {
+          if (!isNodeId(node)) continue;
+          let index = indexes.get(node);
+          if (!index) {
+            index = new Set(await this.nodes.attachedVolumes(node));
+            indexes.set(node, index);
+          }
+          if (index.has(id)) continue;
+          await this.nodes.addAttached(node, id);
+          index.add(id);
+          added++;
+        }
+      }
+      return added;
+    })();
+    this.repaired = work.then(
+      () => undefined,
+      () => undefined, // a repair that failed (logged by the caller) stops no publish
+    );
+    return work;
   }
 
   private async admitBatch(
     node: string,
     batch: readonly NodePublish[],
   ): Promise<PromiseSettledResult<void>[]> {
+    await this.repaired; // not under the node's lock: other processes need it meanwhile
     return this.pool.withLock(`node-${node}`, 'ControllerPublishVolume', async () => {
       const results = new Array<PromiseSettledResult<void>>(batch.length);
       // Those refused are judged again when one admitted before them failed: the slot it took is free

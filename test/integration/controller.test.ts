@@ -682,6 +682,33 @@ describe('ControllerPublishVolume: the attach fence', () => {
   });
 });
 
+describe('the node index after an upgrade', () => {
+  it('a controller that starts on an index an older release left short counts every attachment', async () => {
+    const base = await dir('index-repair');
+    const extra = ['--max-volumes-per-node=2'];
+    const first = await driver({ dir: base, extra });
+    const ids: string[] = [];
+    for (const name of ['pvc-ix-a', 'pvc-ix-b', 'pvc-ix-c']) {
+      const v = await first.clients.controller.CreateVolume({ name, volume_capabilities: [blockCap()] });
+      ids.push(v.volume?.volume_id ?? '');
+    }
+    const pub = (id: string) => ({ volume_id: id, node_id: 'node-1', volume_capability: blockCap() });
+    for (const id of ids.slice(0, 2)) await first.clients.controller.ControllerPublishVolume(pub(id));
+    await first.stop();
+    // What an older release's race could leave: a live attachment missing from the node's index.
+    await fs.rm(path.join(base, 'pool', 'nodes', 'node-1.attached', ids[1] ?? ''));
+    const second = await driver({ dir: base, extra });
+    expect(await codeOf(second.clients.controller.ControllerPublishVolume(pub(ids[2] ?? '')))).toBe(
+      'RESOURCE_EXHAUSTED',
+    );
+    expect((await fs.readdir(path.join(base, 'pool', 'nodes', 'node-1.attached'))).sort()).toEqual(
+      ids.slice(0, 2).sort(),
+    );
+    for (const id of ids)
+      await second.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: '' });
+  });
+});
+
 describe('ValidateVolumeCapabilities, ControllerGetVolume, ControllerModifyVolume', () => {
   let d: DriverProcess;
   let id = '';

@@ -427,6 +427,30 @@ describe('a burst of publishes to one node', () => {
     open();
     expect(await Promise.all([p1, p2, p3])).toEqual(['OK', 'INTERNAL', 'OK']);
   });
+  it("counts, once a controller started, attachments an older release's index lost", async () => {
+    const w = await world();
+    const att = {
+      node: NODE,
+      readonly: false,
+      accessType: 'mount',
+      mode: 'SINGLE_NODE_WRITER',
+      since: 'x',
+    } as const;
+    const a = (await newVolume(w)).id;
+    const b = (await newVolume(w)).id;
+    await w.volumes.publish(a, att, 2);
+    await w.volumes.publish(b, att, 2);
+    // The race of releases before the index scheme: a count dropped b's entry before b's attachment was written.
+    await w.d.nodes.removeAttached(NODE, b);
+    const added = await w.volumes.repairNodeIndex(); // what a controller does when it starts
+    const c = (await newVolume(w)).id;
+    expect({
+      added,
+      code: await codeOf(w.volumes.publish(c, att, 2)),
+      index: (await w.d.nodes.attachedVolumes(NODE)).sort(),
+    }).toEqual({ added: 1, code: 'RESOURCE_EXHAUSTED', index: [a, b].sort() });
+  });
+
   it('at the limit, index entries left by publishes killed half-way are checked and dropped, not counted', async () => {
     const w = await world();
     const att = {
