@@ -35,11 +35,18 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
   };
 
   const records = [
-    ...inv.volumes.map((v) => ({ ...v, what: 'volume', verb: 'DeleteVolume' })),
-    ...inv.snapshots.map((s) => ({ ...s, what: 'snapshot', verb: 'DeleteSnapshot' })),
+    ...inv.volumes.map((v) => ({ ...v, what: 'volume', verb: 'DeleteVolume', group: undefined })),
+    ...inv.snapshots.map((s) => ({
+      ...s,
+      what: 'snapshot',
+      verb: 'DeleteSnapshot',
+      group: s.record.state === 'ok' ? s.record.value.groupSnapshotId : undefined,
+    })),
   ];
   for (const r of records) {
-    const busy = locked.has(r.id); // a CreateVolume/CreateSnapshot (or delete) at work right now
+    // A CreateVolume/CreateSnapshot (or delete) at work right now; a group snapshot's member stays
+    // "creating" while its group (which holds its own lock) copies the other members.
+    const busy = locked.has(r.id) || (r.group !== undefined && r.group !== '' && locked.has(r.group));
     if (r.record.state === 'damaged') {
       add({
         kind: 'damaged-record',

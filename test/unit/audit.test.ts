@@ -19,7 +19,7 @@ import { table } from '../../src/cli/common.js';
 import type { LoopDevice, MountEntry } from '../../src/host/host.js';
 import { Metrics } from '../../src/metrics.js';
 import { Pool } from '../../src/pool/pool.js';
-import type { Lease, VolumeMeta } from '../../src/pool/types.js';
+import type { Lease, SnapshotMeta, VolumeMeta } from '../../src/pool/types.js';
 import { FakeHost } from '../helpers/fake-host.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
 
@@ -196,6 +196,34 @@ describe('poolFindings', () => {
     });
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation vol-left',
+    ]);
+  });
+  it("tells a group snapshot's member waiting for its group's copy from an interrupted one, by the group's lock", () => {
+    const inv = emptyInventory();
+    const member = (group: string) => ({
+      state: 'ok' as const,
+      value: { state: 'creating', name: 'n', groupSnapshotId: group } as unknown as SnapshotMeta,
+    });
+    const snapshot = (id: string, group: string) => ({
+      id,
+      dir: `/p/snapshots/${id}`,
+      record: member(group),
+      image: undefined,
+      partial: false,
+    });
+    inv.snapshots.push(snapshot('snap-busy', 'group-at-work'), snapshot('snap-left', 'group-gone'));
+    inv.locks.push({
+      key: 'group-at-work',
+      file: '/p/locks/group-at-work.lock',
+      holder: 'process 1 on h',
+      purpose: 'CreateVolumeGroupSnapshot',
+      role: undefined,
+      host: 'h',
+      ageSeconds: 1,
+      gone: undefined,
+    });
+    expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
+      'unfinished-creation snap-left',
     ]);
   });
   it('removes only locks of holders proven gone; reports unrenewed ones; removes old trash', () => {
