@@ -5,10 +5,11 @@
  * and that a freeze for a copy always ends.
  */
 import fs from 'node:fs/promises';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
 import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
+import { Turns } from '../../src/pool/turns.js';
 import { InFlight } from '../../src/server/inflight.js';
 import { commandError, FakeHost } from '../helpers/fake-host.js';
 import {
@@ -370,20 +371,19 @@ describe('freezes for copies', () => {
 });
 
 describe('a burst of publishes to one node', () => {
+  /** What a ControllerPublishVolume of a single-node writer to NODE records. */
+  const WRITER = {
+    node: NODE,
+    readonly: false,
+    accessType: 'mount',
+    mode: 'SINGLE_NODE_WRITER',
+    since: 'x',
+  } as const;
+
   it('queues them in this process: none is ABORTED, and the node limit holds exactly', async () => {
     const w = await world();
     const ids = await Promise.all(Array.from({ length: 48 }, async () => (await newVolume(w)).id));
-    const codes = await Promise.all(
-      ids.map((id) =>
-        codeOf(
-          w.volumes.publish(
-            id,
-            { node: NODE, readonly: false, accessType: 'mount', mode: 'SINGLE_NODE_WRITER', since: 'x' },
-            40,
-          ),
-        ),
-      ),
-    );
+    const codes = await Promise.all(ids.map((id) => codeOf(w.volumes.publish(id, WRITER, 40))));
     const count = (c: string) => codes.filter((x) => x === c).length;
     expect({ ok: count('OK'), exhausted: count('RESOURCE_EXHAUSTED'), aborted: count('ABORTED') }).toEqual({
       ok: 40,
@@ -395,13 +395,6 @@ describe('a burst of publishes to one node', () => {
 
   it('a member that fails once admitted does not leave a later member of its batch refused', async () => {
     const w = await world();
-    const att2 = {
-      node: NODE,
-      readonly: false,
-      accessType: 'mount',
-      mode: 'SINGLE_NODE_WRITER',
-      since: 'x',
-    } as const;
     const first = (await newVolume(w)).id;
     const bad = (await newVolume(w)).id;
     const good = (await newVolume(w)).id;
@@ -419,55 +412,52 @@ describe('a burst of publishes to one node', () => {
       if (v === bad) throw new Error('EIO writing the index');
       return orig(n, v);
     };
-    const p1 = codeOf(w.volumes.publish(first, att2, 2));
-    await atGate;
-    const p2 = codeOf(w.volumes.publish(bad, att2, 2));
-    const p3 = codeOf(w.volumes.publish(good, att2, 2));
-    await new Promise((r) => setTimeout(r, 300)); // both queue behind the first batch
-    open();
-    expect(await Promise.all([p1, p2, p3])).toEqual(['OK', 'INTERNAL', 'OK']);
+    // Queued in this order (a publish reaches the node's queue after its own checks, which take their time).
+    const queue = vi.spyOn(Turns.prototype, 'run');
+    const queued = (): string[] => queue.mock.calls.map((c) => (c[2] as { id: string }).id);
+    const inQueue = async (id: string) => {
+      while (!queued().includes(id)) await new Promise((r) => setTimeout(r, 5));
+    };
+    try {
+      const p1 = codeOf(w.volumes.publish(first, WRITER, 2));
+      await atGate;
+      const p2 = codeOf(w.volumes.publish(bad, WRITER, 2));
+      await inQueue(bad);
+      const p3 = codeOf(w.volumes.publish(good, WRITER, 2));
+      await inQueue(good); // both wait behind the first batch
+      open();
+      expect(await Promise.all([p1, p2, p3])).toEqual(['OK', 'INTERNAL', 'OK']);
+    } finally {
+      queue.mockRestore();
+    }
   });
   it("counts, once a controller started, attachments an older release's index lost", async () => {
     const w = await world();
-    const att = {
-      node: NODE,
-      readonly: false,
-      accessType: 'mount',
-      mode: 'SINGLE_NODE_WRITER',
-      since: 'x',
-    } as const;
     const a = (await newVolume(w)).id;
     const b = (await newVolume(w)).id;
-    await w.volumes.publish(a, att, 2);
-    await w.volumes.publish(b, att, 2);
+    await w.volumes.publish(a, WRITER, 2);
+    await w.volumes.publish(b, WRITER, 2);
     // The race of releases before the index scheme: a count dropped b's entry before b's attachment was written.
     await w.d.nodes.removeAttached(NODE, b);
     const added = await w.volumes.repairNodeIndex(); // what a controller does when it starts
     const c = (await newVolume(w)).id;
     expect({
       added,
-      code: await codeOf(w.volumes.publish(c, att, 2)),
+      code: await codeOf(w.volumes.publish(c, WRITER, 2)),
       index: (await w.d.nodes.attachedVolumes(NODE)).sort(),
     }).toEqual({ added: 1, code: 'RESOURCE_EXHAUSTED', index: [a, b].sort() });
   });
 
   it('at the limit, index entries left by publishes killed half-way are checked and dropped, not counted', async () => {
     const w = await world();
-    const att = {
-      node: NODE,
-      readonly: false,
-      accessType: 'mount',
-      mode: 'SINGLE_NODE_WRITER',
-      since: 'x',
-    } as const;
     // Three publishes killed after indexing the volume on the node, before writing its attachment.
     for (let i = 0; i < 3; i++) await w.d.nodes.addAttached(NODE, (await newVolume(w)).id);
     const one = (await newVolume(w)).id;
     const two = (await newVolume(w)).id;
     expect({
-      first: await codeOf(w.volumes.publish(one, att, 3)),
-      second: await codeOf(w.volumes.publish(two, att, 2)),
-      third: await codeOf(w.volumes.publish((await newVolume(w)).id, att, 2)),
+      first: await codeOf(w.volumes.publish(one, WRITER, 3)),
+      second: await codeOf(w.volumes.publish(two, WRITER, 2)),
+      third: await codeOf(w.volumes.publish((await newVolume(w)).id, WRITER, 2)),
       index: (await w.d.nodes.attachedVolumes(NODE)).sort(),
     }).toEqual({ first: 'OK', second: 'OK', third: 'RESOURCE_EXHAUSTED', index: [one, two].sort() });
   });

@@ -6,6 +6,25 @@ import { describe, expect, it } from 'vitest';
 import { Turns } from '../../src/pool/turns.js';
 import { codeOf } from '../helpers/node-world.js';
 
+/**
+ * Turns whose first batch is held until `release`, whose batch number `throwing` throws, and which
+ * otherwise fail the negative items and answer the others with themselves.
+ */
+function heldFirstBatch(throwing: number) {
+  let calls = 0;
+  let release!: () => void;
+  const gate = new Promise<void>((r) => (release = r));
+  const turns = new Turns<number, number>(10_000, async (_key, items) => {
+    calls++;
+    if (calls === 1) await gate;
+    if (calls === throwing) throw new Error('the lock was not had');
+    return items.map((n): PromiseSettledResult<number> =>
+      n < 0 ? { status: 'rejected', reason: new Error('negative') } : { status: 'fulfilled', value: n },
+    );
+  });
+  return { turns, release };
+}
+
 describe('Turns', () => {
   it('runs one batch at a time per key, and what came meanwhile as the next batch, in order', async () => {
     const batches: string[][] = [];
@@ -33,17 +52,7 @@ describe('Turns', () => {
   });
 
   it('fails only the item its batch failed, and the whole batch when the handler throws', async () => {
-    let calls = 0;
-    let release!: () => void;
-    const gate = new Promise<void>((r) => (release = r));
-    const turns = new Turns<number, number>(10_000, async (_key, items) => {
-      calls++;
-      if (calls === 1) await gate;
-      if (calls === 3) throw new Error('the lock was not had');
-      return items.map((n): PromiseSettledResult<number> =>
-        n < 0 ? { status: 'rejected', reason: new Error('negative') } : { status: 'fulfilled', value: n },
-      );
-    });
+    const { turns, release } = heldFirstBatch(3);
     const first = turns.run('k', 'k', 0); // a batch of its own, held until the next two queue behind it
     const both = Promise.allSettled([turns.run('k', 'k', 1), turns.run('k', 'k', -1)]);
     release();
@@ -59,15 +68,7 @@ describe('Turns', () => {
   });
 
   it('fails every item of a batch of several when the handler throws', async () => {
-    let calls = 0;
-    let release!: () => void;
-    const gate = new Promise<void>((r) => (release = r));
-    const turns = new Turns<number, number>(10_000, async (_key, items) => {
-      calls++;
-      if (calls === 1) await gate;
-      if (calls === 2) throw new Error('the lock was not had');
-      return items.map((n) => ({ status: 'fulfilled', value: n }));
-    });
+    const { turns, release } = heldFirstBatch(2);
     const first = turns.run('k', 'k', 0);
     const batch = Promise.allSettled([1, 2, 3].map((n) => turns.run('k', 'k', n)));
     release();
