@@ -122,9 +122,14 @@ async function serve(
     };
     // Publishes wait for this (it reads every volume's attachments once); serving starts at once.
     volumes.repairNodeIndex().then(
-      (added) => {
+      ({ added, unreadable }) => {
         if (added > 0)
           log.warn({ added }, 'added node index entries of attachments an older release had lost');
+        if (unreadable.length > 0)
+          log.error(
+            { volumes: unreadable.slice(0, 20), count: unreadable.length },
+            "could not read these volumes' attachments to check the node index; loopvol check tells more",
+          );
       },
       (err: unknown) => {
         log.error({ err }, 'could not check the node index against the attachments');

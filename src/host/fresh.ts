@@ -39,6 +39,9 @@ export function freshReading<A extends unknown[], T>(
   };
 }
 
+/** The longest delay setTimeout holds (2^31 - 1 ms); a longer one fires at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 /**
  * Waits for a shared reading as long as the caller is there: a reading shared with others runs free of
  * any one caller's cancellation and deadline, and each caller stops waiting for it at its own
@@ -46,7 +49,11 @@ export function freshReading<A extends unknown[], T>(
  */
 export function whileCalling<T>(scope: RunScope, shared: Promise<T>): Promise<T> {
   const { signal, deadline } = scope;
-  if (!signal && (deadline === undefined || !Number.isFinite(deadline))) return shared;
+  // The reading is others' too: its failure is theirs to see, never an unhandled rejection of this wait.
+  shared.catch(() => undefined);
+  // A deadline past what a timer can hold (24.8 days) is as good as none.
+  const ms = deadline === undefined ? Infinity : deadline - Date.now();
+  if (!signal && !(ms < MAX_TIMER_MS)) return shared;
   return new Promise<T>((resolve, reject) => {
     let timer: NodeJS.Timeout | undefined;
     const stop = (why: 'cancelled' | 'deadline'): void => {
@@ -65,12 +72,12 @@ export function whileCalling<T>(scope: RunScope, shared: Promise<T>): Promise<T>
       return;
     }
     signal?.addEventListener('abort', onAbort, { once: true });
-    if (deadline !== undefined && Number.isFinite(deadline)) {
+    if (ms < MAX_TIMER_MS) {
       timer = setTimeout(
         () => {
           stop('deadline');
         },
-        Math.max(0, deadline - Date.now()),
+        Math.max(0, ms),
       );
     }
     shared.then(

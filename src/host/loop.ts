@@ -12,7 +12,7 @@ import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
-import { CommandError, detached, type Exec } from '../exec/runner.js';
+import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
@@ -154,7 +154,13 @@ export async function listLoops(
 ): Promise<LoopDevice[]> {
   const loops = await attachedLoops();
   if (!loops.some(identify)) return loops.map((l) => ({ ...l }));
-  const ids = await whileCalling(x, allBackingIdentities(x));
+  // A caller that stops waiting (cancelled, or past its deadline) judges by path, as it did when its
+  // own losetup was killed: rollbacks, whose scope has a deadline of its own, still finish.
+  const ids = await whileCalling(x, allBackingIdentities(x)).catch((err: unknown) => {
+    if (!(err instanceof CallStopped)) throw err;
+    x.log.warn("stopped waiting for the loop devices' backing inodes; judging them by path only");
+    return new Map<string, FileId>();
+  });
   return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : { ...l }));
 }
 

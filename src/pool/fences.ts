@@ -41,7 +41,7 @@ export abstract class VolumeFences {
   }
 
   /** Adds the node index entries an older release lost (see NodeAdmission.repairIndex); how many. */
-  repairNodeIndex(): Promise<number> {
+  repairNodeIndex(): Promise<{ added: number; unreadable: string[] }> {
     return this.admission.repairIndex();
   }
 
@@ -138,6 +138,7 @@ export abstract class VolumeFences {
    * attach limit: RESOURCE_EXHAUSTED.
    */
   async publish(id: string, att: Attachment, maxVolumes: number): Promise<'created' | 'exists'> {
+    await this.admission.whenRepaired();
     return this.pool.withLock(id, 'ControllerPublishVolume', async () => {
       await this.mustGet(id);
       const current = await this.attachments(id);

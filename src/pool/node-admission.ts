@@ -15,13 +15,17 @@
 import { failpoint } from '../failpoints.js';
 import { listDir } from './fsutil.js';
 import { isNodeId, isVolumeId } from './ids.js';
-import { noSpace } from '../errors.js';
+import { busy, noSpace } from '../errors.js';
+import { mapLimit } from '../limit.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
 import { Turns } from './turns.js';
 import type { Attachment } from './types.js';
 
 /** A publish waiting for its node: admitted against the node's limit, then `commit` writes its records. */
+/** How long a publish waits for the controller's start-up check of the node index. */
+const REPAIR_WAIT_MS = 10_000;
+
 export interface NodePublish {
   id: string;
   maxVolumes: number;
@@ -50,33 +54,66 @@ export class NodeAdmission {
   }
 
   /**
+   * Resolves once the node index is known whole (see repairIndex); ABORTED after `waitMs`. A publish
+   * waits here before it takes its volume's lock, which other processes' calls need meanwhile.
+   */
+  async whenRepaired(waitMs = REPAIR_WAIT_MS): Promise<void> {
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      const done = await Promise.race([
+        this.repaired.then(() => true),
+        new Promise<false>((resolve) => {
+          timer = setTimeout(() => {
+            resolve(false);
+          }, waitMs);
+        }),
+      ]);
+      if (!done)
+        throw busy('The controller is still checking the node index against the attachments; retry.');
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /**
    * Adds to each node's index the volumes attached to it that it lacks (left by an older release), and
    * makes admissions wait until that is done. An entry added for an attachment removed meanwhile is
-   * harmless: it is dropped when its node reaches its limit. Returns how many entries were missing.
+   * harmless: it is dropped when its node reaches its limit. A volume whose records cannot be read is
+   * skipped (reported in `unreadable`), the others are still checked. Volumes are read 16 at a time.
    */
-  repairIndex(): Promise<number> {
+  repairIndex(): Promise<{ added: number; unreadable: string[] }> {
     const work = (async () => {
       let added = 0;
-      const indexes = new Map<string, Set<string>>();
-      for (const id of (await listDir(this.pool.layout.volumesDir)).filter(isVolumeId)) {
-        for (const { node } of await this.attachments(id)) {
-          if (!isNodeId(node)) continue;
-          let index = indexes.get(node);
-          if (!index) {
-            index = new Set(await this.nodes.attachedVolumes(node));
-            indexes.set(node, index);
-          }
-          if (index.has(id)) continue;
-          await this.nodes.addAttached(node, id);
-          index.add(id);
-          added++;
+      const unreadable: string[] = [];
+      const indexes = new Map<string, Promise<Set<string>>>();
+      const indexOf = (node: string): Promise<Set<string>> => {
+        let index = indexes.get(node);
+        if (!index) {
+          index = this.nodes.attachedVolumes(node).then((vids) => new Set(vids));
+          indexes.set(node, index);
         }
-      }
-      return added;
+        return index;
+      };
+      const ids = (await listDir(this.pool.layout.volumesDir)).filter(isVolumeId);
+      await mapLimit(ids, 16, async (id) => {
+        try {
+          for (const { node } of await this.attachments(id)) {
+            if (!isNodeId(node)) continue;
+            const index = await indexOf(node);
+            if (index.has(id)) continue;
+            index.add(id);
+            await this.nodes.addAttached(node, id);
+            added++;
+          }
+        } catch {
+          unreadable.push(id);
+        }
+      });
+      return { added, unreadable };
     })();
     this.repaired = work.then(
       () => undefined,
-      () => undefined, // a repair that failed (logged by the caller) stops no publish
+      () => undefined, // a repair that could not list the volumes (logged by the caller) stops no publish
     );
     return work;
   }
@@ -85,17 +122,24 @@ export class NodeAdmission {
     node: string,
     batch: readonly NodePublish[],
   ): Promise<PromiseSettledResult<void>[]> {
-    await this.repaired; // not under the node's lock: other processes need it meanwhile
     return this.pool.withLock(`node-${node}`, 'ControllerPublishVolume', async () => {
       const results = new Array<PromiseSettledResult<void>>(batch.length);
       // Those refused are judged again when one admitted before them failed: the slot it took is free
       // (its index entry, if written, has no attachment and is dropped at the limit).
       let pending = batch.map((_, i) => i);
-      while (pending.length > 0) {
-        const refused = await this.decide(
-          node,
-          pending.map((i) => batch[i] as NodePublish),
-        );
+      for (let round = 0; pending.length > 0; round++) {
+        let refused: (Error | undefined)[];
+        try {
+          refused = await this.decide(
+            node,
+            pending.map((i) => batch[i] as NodePublish),
+          );
+        } catch (err) {
+          if (round === 0) throw err;
+          // A later round that cannot count fails only those still waiting, not those already done.
+          for (const i of pending) results[i] = { status: 'rejected', reason: err };
+          break;
+        }
         const admitted = pending.filter((_, k) => refused[k] === undefined);
         const settled = await Promise.allSettled(
           admitted.map(async (i) => {

@@ -177,6 +177,28 @@ describe('a group snapshot whose freeze ended before its copy did', () => {
   });
 });
 
+/** Makes the pool lock of `groupId` in `w` one the test can lose (its signal, its assertHeld) with `lost`. */
+function losableGroupLock(w: ControllerWorld, groupId: string, lost: AbortController): void {
+  const pool = w.pool as unknown as { withLock: (...a: unknown[]) => Promise<unknown> };
+  const orig = pool.withLock.bind(w.pool);
+  pool.withLock = (key: unknown, purpose: unknown, fn: unknown, ...rest: unknown[]) => {
+    if (key !== groupId) return orig(key, purpose, fn, ...rest);
+    return orig(
+      key,
+      purpose,
+      (l: HeldLock) =>
+        (fn as (l: HeldLock) => Promise<unknown>)({
+          ...l,
+          signal: lost.signal,
+          assertHeld: () => {
+            if (lost.signal.aborted) throw busy('lost');
+          },
+        }),
+      ...rest,
+    );
+  };
+}
+
 describe('a group snapshot and the names and locks it shares with others', () => {
   it("never takes, nor deletes, a user's snapshot named as one of its members", async () => {
     const w = await controllerWorld();
@@ -225,24 +247,7 @@ describe('a group snapshot and the names and locks it shares with others', () =>
     const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
     const groupId = groupSnapshotIdForName('g1');
     const lost = new AbortController();
-    const pool = w.pool as unknown as { withLock: (...a: unknown[]) => Promise<unknown> };
-    const orig = pool.withLock.bind(w.pool);
-    pool.withLock = (key: unknown, purpose: unknown, fn: unknown, ...rest: unknown[]) => {
-      if (key !== groupId) return orig(key, purpose, fn, ...rest);
-      return orig(
-        key,
-        purpose,
-        (l: HeldLock) =>
-          (fn as (l: HeldLock) => Promise<unknown>)({
-            ...l,
-            signal: lost.signal,
-            assertHeld: () => {
-              if (lost.signal.aborted) throw busy('lost');
-            },
-          }),
-        ...rest,
-      );
-    };
+    losableGroupLock(w, groupId, lost);
     const snaps = w.snapshots as unknown as { markReady: (...a: unknown[]) => Promise<unknown> };
     snaps.markReady = async () => {
       // A stalled past the lease: B took the group over, redid it and answered the CO "ready".
@@ -256,5 +261,22 @@ describe('a group snapshot and the names and locks it shares with others', () =>
     const code = await codeOf(w.CreateVolumeGroupSnapshot('g1', [a]));
     const after = await w.snapshots.inspectGroup(groupId);
     expect({ code, groupAfter: after.state }).toEqual({ code: 'ABORTED', groupAfter: 'ok' });
+  });
+
+  it('whose pool lock was lost before its members were marked ready marks none', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+    const groupId = groupSnapshotIdForName('g1');
+    const lost = new AbortController();
+    losableGroupLock(w, groupId, lost);
+    const create = w.snapshots.create.bind(w.snapshots);
+    w.snapshots.create = async (meta, copy, opts) => {
+      const made = await create(meta, copy, opts);
+      lost.abort(new Error('another process took the lock over')); // once the copies are made
+      return made;
+    };
+    const code = await codeOf(w.CreateVolumeGroupSnapshot('g1', [a]));
+    const listed = (await w.snapshots.list(undefined, 0, () => true)).snapshots;
+    expect({ code, ready: listed.map((m) => m.id) }).toEqual({ code: 'ABORTED', ready: [] });
   });
 });

@@ -393,11 +393,17 @@ describe('a burst of publishes to one node', () => {
     expect(await w.d.nodes.attachedVolumes(NODE)).toHaveLength(40);
   }, 60_000);
 
-  it('a member that fails once admitted does not leave a later member of its batch refused', async () => {
-    const w = await world();
-    const first = (await newVolume(w)).id;
-    const bad = (await newVolume(w)).id;
-    const good = (await newVolume(w)).id;
+  /**
+   * Publishes `first` alone to NODE (limit `max`), held in its batch until `batch` are all queued behind
+   * it in their order, so that they form the next batch; index writes of `bad` fail. Their codes.
+   */
+  async function nextBatch(
+    w: World,
+    first: string,
+    batch: string[],
+    bad: string,
+    max: number,
+  ): Promise<string[]> {
     const nodes = w.d.nodes as unknown as { addAttached: (n: string, v: string) => Promise<void> };
     const orig = nodes.addAttached.bind(nodes);
     let open!: () => void;
@@ -407,30 +413,62 @@ describe('a burst of publishes to one node', () => {
     nodes.addAttached = async (n, v) => {
       if (v === first) {
         reached();
-        await gate; // hold the first batch until the other two queue behind it
+        await gate;
       }
       if (v === bad) throw new Error('EIO writing the index');
       return orig(n, v);
     };
-    // Queued in this order (a publish reaches the node's queue after its own checks, which take their time).
+    // A publish reaches the node's queue after its own checks, which take their time: wait for each.
     const queue = vi.spyOn(Turns.prototype, 'run');
-    const queued = (): string[] => queue.mock.calls.map((c) => (c[2] as { id: string }).id);
     const inQueue = async (id: string) => {
-      while (!queued().includes(id)) await new Promise((r) => setTimeout(r, 5));
+      while (!queue.mock.calls.some((c) => (c[2] as { id: string }).id === id))
+        await new Promise((r) => setTimeout(r, 5));
     };
     try {
-      const p1 = codeOf(w.volumes.publish(first, WRITER, 2));
+      const codes = [codeOf(w.volumes.publish(first, WRITER, max))];
       await atGate;
-      const p2 = codeOf(w.volumes.publish(bad, WRITER, 2));
-      await inQueue(bad);
-      const p3 = codeOf(w.volumes.publish(good, WRITER, 2));
-      await inQueue(good); // both wait behind the first batch
+      for (const id of batch) {
+        codes.push(codeOf(w.volumes.publish(id, WRITER, max)));
+        await inQueue(id);
+      }
       open();
-      expect(await Promise.all([p1, p2, p3])).toEqual(['OK', 'INTERNAL', 'OK']);
+      return await Promise.all(codes);
     } finally {
       queue.mockRestore();
     }
+  }
+
+  it('a member that fails once admitted does not leave a later member of its batch refused', async () => {
+    const w = await world();
+    const [first, bad, good] = [(await newVolume(w)).id, (await newVolume(w)).id, (await newVolume(w)).id];
+    expect(await nextBatch(w, first, [bad, good], bad, 2)).toEqual(['OK', 'INTERNAL', 'OK']);
   });
+
+  it('a batch whose second round cannot count fails only those still waiting, not those done', async () => {
+    const w = await world();
+    const [first, done, bad, waiting] = [
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+    ];
+    // The index can be listed for the first round of the second batch, not for its second round.
+    const nodes = w.d.nodes as unknown as { attachedVolumes: (n: string) => Promise<string[]> };
+    const list = nodes.attachedVolumes.bind(nodes);
+    let lists = 0;
+    nodes.attachedVolumes = async (n) => {
+      if (++lists === 3) throw new Error('EIO listing the index');
+      return list(n);
+    };
+    expect(await nextBatch(w, first, [done, bad, waiting], bad, 3)).toEqual([
+      'OK',
+      'OK',
+      'INTERNAL',
+      'INTERNAL',
+    ]);
+    expect((await w.volumes.attachments(done)).map((x) => x.node)).toEqual([NODE]);
+  });
+
   it("counts, once a controller started, attachments an older release's index lost", async () => {
     const w = await world();
     const a = (await newVolume(w)).id;
@@ -439,13 +477,45 @@ describe('a burst of publishes to one node', () => {
     await w.volumes.publish(b, WRITER, 2);
     // The race of releases before the index scheme: a count dropped b's entry before b's attachment was written.
     await w.d.nodes.removeAttached(NODE, b);
-    const added = await w.volumes.repairNodeIndex(); // what a controller does when it starts
+    const { added } = await w.volumes.repairNodeIndex(); // what a controller does when it starts
     const c = (await newVolume(w)).id;
     expect({
       added,
       code: await codeOf(w.volumes.publish(c, WRITER, 2)),
       index: (await w.d.nodes.attachedVolumes(NODE)).sort(),
     }).toEqual({ added: 1, code: 'RESOURCE_EXHAUSTED', index: [a, b].sort() });
+  });
+
+  it('admits nothing while the start-up check of the index runs, and skips a volume it cannot read', async () => {
+    const w = await world();
+    const [a, b, c, broken] = [
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+      (await newVolume(w)).id,
+    ];
+    await w.volumes.publish(a, WRITER, 2);
+    await w.volumes.publish(b, WRITER, 2);
+    await w.d.nodes.removeAttached(NODE, b); // lost by an older release
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    const attachments = w.volumes.attachments.bind(w.volumes);
+    w.volumes.attachments = async (id) => {
+      if (id === broken) throw new Error('EIO');
+      if (id !== c) await gate; // the check of the index stalls; the publish's own reads do not
+      return attachments(id);
+    };
+    const repair = w.volumes.repairNodeIndex();
+    let answered = false;
+    const publish = codeOf(w.volumes.publish(c, WRITER, 2)).finally(() => (answered = true));
+    await new Promise((r) => setTimeout(r, 200));
+    const waited = !answered;
+    release();
+    expect({ waited, code: await publish, repair: await repair }).toEqual({
+      waited: true,
+      code: 'RESOURCE_EXHAUSTED',
+      repair: { added: 1, unreadable: [broken] },
+    });
   });
 
   it('at the limit, index entries left by publishes killed half-way are checked and dropped, not counted', async () => {

@@ -104,4 +104,26 @@ describe('whileCalling', () => {
     finish(7);
     expect(await patient).toBe(7);
   });
+
+  it('never leaves a reading that fails after the caller stopped waiting unhandled', async () => {
+    const log = pino({ level: 'silent' });
+    let fail!: (e: Error) => void;
+    const shared = new Promise<number>((_, reject) => (fail = reject));
+    const gone = new AbortController();
+    gone.abort();
+    const stopped = whileCalling({ log, signal: gone.signal }, shared).catch((e: unknown) => e);
+    fail(new Error('losetup output unparsable'));
+    await new Promise((r) => setTimeout(r, 10)); // vitest fails the run on an unhandled rejection
+    expect(await stopped).toBeInstanceOf(CallStopped);
+  });
+
+  it('takes a deadline past what a timer holds (more than 24.8 days away) as none', async () => {
+    const log = pino({ level: 'silent' });
+    const shared = new Promise<number>((r) =>
+      setTimeout(() => {
+        r(5);
+      }, 30),
+    );
+    expect(await whileCalling({ log, deadline: Date.now() + 30 * 24 * 3600 * 1000 }, shared)).toBe(5);
+  });
 });
