@@ -219,7 +219,10 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
       throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
   }
   const present = ours.length > 0 || (await d.host.pathKind(path.normalize(r.target))) !== 'absent';
-  if (!known && !present) throw missing(`Volume ${r.id} does not exist.`);
+  if (!known && !present) {
+    await d.volumes.assertPoolPresent(); // not there is not "does not exist"
+    throw missing(`Volume ${r.id} does not exist.`);
+  }
   if (symlink)
     throw conflict(
       `target_path ${r.target} is a symbolic link, which the driver never creates; it was left in place.`,

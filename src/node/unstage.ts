@@ -31,6 +31,9 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   const staging = await callerPath(d, r.staging, 'staging_target_path');
   const on = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
+  // A volume the pool does not show, on a pool that is not there: nothing here is touched, since its
+  // lease could not be let go afterwards (UNAVAILABLE; the kubelet retries once the pool is back).
+  if (!known) await d.volumes.assertPoolPresent();
   const lease = await d.volumes.lease(r.id, d.nodeId);
   const atStaging = on.mounts.filter((m) => m.mountPoint === staging);
   if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)

@@ -45,6 +45,11 @@ export abstract class VolumeFences {
     return this.admission.repairIndex();
   }
 
+  /** Throws UNAVAILABLE unless this pool is still there (mounted, and the same pool). */
+  assertPoolPresent(): Promise<void> {
+    return this.pool.assertPresent();
+  }
+
   /** A volume that exists and is complete, or NOT_FOUND. */
   abstract mustGet(id: string): Promise<VolumeMeta>;
 
@@ -188,7 +193,11 @@ export abstract class VolumeFences {
   async unpublish(id: string, node: string | undefined): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'ControllerUnpublishVolume', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) return;
+      if (!(await exists(this.layout.volumeDir(id)))) {
+        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
+        await this.pool.assertPresent();
+        return;
+      }
       const targets = node === undefined ? (await this.attachments(id)).map((a) => a.node) : [node];
       const f = await this.fenceFileForUpdate(id);
       const gone = new Set(targets);
@@ -358,7 +367,11 @@ export abstract class VolumeFences {
   async markFenced(id: string, node: string, how: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'fence', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) return;
+      if (!(await exists(this.layout.volumeDir(id)))) {
+        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
+        await this.pool.assertPresent();
+        return;
+      }
       const f = await this.fenceFileForUpdate(id);
       const l = f.revoked[node];
       if (!l || l.fencedAt !== undefined) return;
@@ -369,7 +382,11 @@ export abstract class VolumeFences {
   async dropLease(id: string, node: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'NodeUnstageVolume', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) return;
+      if (!(await exists(this.layout.volumeDir(id)))) {
+        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
+        await this.pool.assertPresent();
+        return;
+      }
       const f = await this.fenceFileForUpdate(id);
       if (node in f.leases || node in f.revoked) {
         const gone = new Set([node]);

@@ -222,8 +222,11 @@ export class VolumeStore extends VolumeFences {
     return { volumes, next: i < ids.length && last ? last.id : undefined };
   }
 
+  /** Whether the volume was ever formatted or written raw; never "no" for a pool that is not there. */
   async isInitialized(id: string): Promise<boolean> {
-    return exists(this.layout.volumeInitialized(id));
+    if (await exists(this.layout.volumeInitialized(id))) return true;
+    await this.pool.assertPresent();
+    return false;
   }
 
   /**

@@ -11,7 +11,8 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { runMain } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB } from '../helpers/host.js';
+import { isMounted, isRoot, leaksUnder, MiB } from '../helpers/host.js';
+import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -162,5 +163,84 @@ describe.skipIf(!isRoot())('a pool that disappears under a running controller', 
       id,
     ]);
     await d.clients.controller.DeleteVolume({ volume_id: id });
+  });
+});
+
+const fencesOf = async (poolDir: string, id: string): Promise<{ attachments: object; leases: object }> =>
+  JSON.parse(await fs.readFile(path.join(poolDir, 'volumes', id, 'fences.json'), 'utf8')) as {
+    attachments: object;
+    leases: object;
+  };
+
+/** Hides the pool under a tmpfs (a shared filesystem unmounted); with `another`, a new pool is made there. */
+async function hidePool(poolDir: string, another: boolean): Promise<void> {
+  execFileSync('mount', ['-t', 'tmpfs', 'cover', poolDir]);
+  if (another) expect((await runMain(['create-pool', `--pool-dir=${poolDir}`])).code).toBe(0);
+}
+
+describe.skipIf(!isRoot())('a pool hidden or replaced under a running driver', () => {
+  it('ControllerUnpublishVolume is refused, not answered OK with the attachment kept', async () => {
+    const base = await env.dir('replaced-ctl');
+    const d = await env.driver({ dir: base });
+    const cap = mountCap('ext4');
+    const { id } = await createVolume(d, 'pvc-replaced-ctl', cap, 16 * MiB);
+    await d.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id: 'node-1',
+      volume_capability: cap,
+    });
+    await hidePool(d.poolDir, true);
+    let code: string;
+    try {
+      code = await codeOf(
+        d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }),
+      );
+    } finally {
+      execFileSync('umount', [d.poolDir]);
+    }
+    expect({ code, attached: Object.keys((await fencesOf(d.poolDir, id)).attachments) }).toEqual({
+      code: 'UNAVAILABLE',
+      attached: ['node-1'],
+    });
+    await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+  });
+
+  it.each([
+    ['replaced by another pool', true],
+    ['unmounted', false],
+  ])('NodeUnstageVolume with the pool %s touches nothing and answers UNAVAILABLE', async (_what, another) => {
+    const base = await env.dir(`hidden-node-${String(another)}`);
+    const d = await env.driver({ dir: base });
+    const cap = mountCap('ext4');
+    const { id } = await createVolume(d, `pvc-hidden-node-${String(another)}`, cap, 32 * MiB);
+    const staging = path.join(base, 'staging');
+    const target = path.join(base, 'pod', 'mount');
+    await stage(d, id, staging, cap);
+    await publish(d, id, staging, target, cap);
+    await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+    await hidePool(d.poolDir, another);
+    const codes: string[] = [];
+    let stagedStill: boolean;
+    try {
+      for (let i = 0; i < 2; i++)
+        codes.push(
+          await codeOf(d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging })),
+        );
+      codes.push(await codeOf(d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target })));
+      stagedStill = await isMounted(staging);
+    } finally {
+      execFileSync('umount', [d.poolDir]);
+    }
+    expect({ codes, stagedStill, leases: Object.keys((await fencesOf(d.poolDir, id)).leases) }).toEqual({
+      codes: ['UNAVAILABLE', 'UNAVAILABLE', 'UNAVAILABLE'],
+      stagedStill: true,
+      leases: ['node-1'],
+    });
+    // Once the pool is back, the retry finishes: unmounted, detached, the lease let go.
+    await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+    expect({
+      leases: Object.keys((await fencesOf(d.poolDir, id)).leases),
+      left: (await leaksUnder(base)).mounts,
+    }).toEqual({ leases: [], left: [] });
   });
 });
