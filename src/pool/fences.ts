@@ -45,6 +45,13 @@ export abstract class VolumeFences {
     return this.admission.repairIndex();
   }
 
+  /** Whether volume `id` is gone; UNAVAILABLE when the pool is not there (unmounted, or replaced). */
+  private async isGone(id: string): Promise<boolean> {
+    if (await exists(this.layout.volumeDir(id))) return false;
+    await this.pool.assertPresent();
+    return true;
+  }
+
   /** Throws UNAVAILABLE unless this pool is still there (mounted, and the same pool). */
   assertPoolPresent(): Promise<void> {
     return this.pool.assertPresent();
@@ -193,11 +200,7 @@ export abstract class VolumeFences {
   async unpublish(id: string, node: string | undefined): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'ControllerUnpublishVolume', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) {
-        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
-        await this.pool.assertPresent();
-        return;
-      }
+      if (await this.isGone(id)) return;
       const targets = node === undefined ? (await this.attachments(id)).map((a) => a.node) : [node];
       const f = await this.fenceFileForUpdate(id);
       const gone = new Set(targets);
@@ -367,11 +370,7 @@ export abstract class VolumeFences {
   async markFenced(id: string, node: string, how: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'fence', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) {
-        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
-        await this.pool.assertPresent();
-        return;
-      }
+      if (await this.isGone(id)) return;
       const f = await this.fenceFileForUpdate(id);
       const l = f.revoked[node];
       if (!l || l.fencedAt !== undefined) return;
@@ -382,11 +381,7 @@ export abstract class VolumeFences {
   async dropLease(id: string, node: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'NodeUnstageVolume', async () => {
-      if (!(await exists(this.layout.volumeDir(id)))) {
-        // Gone, or the pool is not there (unmounted, or another pool mounted in its place): say which.
-        await this.pool.assertPresent();
-        return;
-      }
+      if (await this.isGone(id)) return;
       const f = await this.fenceFileForUpdate(id);
       if (node in f.leases || node in f.revoked) {
         const gone = new Set([node]);
