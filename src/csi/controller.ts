@@ -301,15 +301,15 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         if (!isVolumeId(id)) throw notFound(`Volume ${id} does not exist.`);
         const updated = await volumes.update(id, 'ControllerExpandVolume', async (meta) => {
           const current = meta.capacityBytes;
-          const target = range.requiredBytes > 0 ? roundUpMiB(range.requiredBytes) : current;
-          if (range.limitBytes > 0 && target > range.limitBytes) {
+          const requested = range.requiredBytes > 0 ? roundUpMiB(range.requiredBytes) : current;
+          if (range.limitBytes > 0 && requested > range.limitBytes) {
             throw outOfRange(
               `No whole number of MiB lies between ${formatBytes(range.requiredBytes)} and ${formatBytes(range.limitBytes)}.`,
             );
           }
-          if (target < current) {
-            throw outOfRange(`Volume ${id} is ${formatBytes(current)}; shrinking a volume is not supported.`);
-          }
+          // Already as large or larger: OK at its size (spec), never shrunk. A retry whose first answer
+          // was lost, then lowered (Kubernetes' recovery from a failed expansion), must not be stuck.
+          const target = Math.max(requested, current);
           const largest = await d.pool.fs.maxFileSize();
           if (target > largest) {
             throw outOfRange(
