@@ -189,6 +189,45 @@ export async function callerPath(d: NodeDeps, p: string, field: string): Promise
   return real;
 }
 
+/** Whether `p` is `dir` or lies beneath it. */
+const within = (p: string, dir: string): boolean => p === dir || p.startsWith(dir === '/' ? '/' : `${dir}/`);
+
+/**
+ * Refuses a target path inside a mounted volume (a staging, or a pod's bind of one) or holding one
+ * beneath it, or that is the volume's own staging path: publishing there would hide another volume's
+ * files or expose this one's in another volume's tree, and unpublishing would unmount or remove what is
+ * not the pod's. Volumes of any pool count (loop devices backed by an image file of ours).
+ */
+export async function checkTargetPlace(
+  d: NodeDeps,
+  x: Exec,
+  target: string,
+  staging: string | undefined,
+  mounts: readonly MountEntry[],
+): Promise<void> {
+  if (target === staging)
+    throw invalid(`target_path ${target} is the volume's staging path; a pod's path is another one.`);
+  const volumeDevices = new Set(
+    (await d.host.loops(x, () => false))
+      .filter((l) => backingName(l) === IMAGE_FILE)
+      .map((l) => l.majorMinor),
+  );
+  const parent = path.dirname(target);
+  const holding = mounts
+    .filter((m) => within(parent, m.mountPoint))
+    .reduce<MountEntry | undefined>(
+      (a, m) => (a && a.mountPoint.length >= m.mountPoint.length ? a : m),
+      undefined,
+    );
+  if (holding && volumeDevices.has(holding.majorMinor))
+    throw invalid(`target_path ${target} lies inside a mounted volume (at ${holding.mountPoint}).`);
+  const beneath = mounts.find(
+    (m) => m.mountPoint !== target && within(m.mountPoint, target) && volumeDevices.has(m.majorMinor),
+  );
+  if (beneath)
+    throw invalid(`target_path ${target} holds a mounted volume beneath it (at ${beneath.mountPoint}).`);
+}
+
 /**
  * Whether the last component of the path the CO gave is a symlink: such a path is never the driver's
  * (it creates directories and empty files), and removing what it resolves to would remove another file.

@@ -17,6 +17,7 @@ import { isVolumeId } from '../pool/ids.js';
 import { type AccessMode, type Capability, isReaderOnly } from '../pool/types.js';
 import {
   callerPath,
+  checkTargetPlace,
   classifyAt,
   foreignMountError,
   isDeviceBind,
@@ -98,6 +99,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));
   const options = bindOptions(readOnly, stagedMount, r.cap.mountFlags);
+  await checkTargetPlace(d, x, target, staging, on.mounts);
 
   // Already published at this target?
   const existing = on.mounts.filter((m) => m.mountPoint === target).at(-1);
@@ -210,6 +212,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   const symlink = await isSymlinkPath(d, r.target);
   const on = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
+  await checkTargetPlace(d, x, target, (await d.volumes.lease(r.id, d.nodeId))?.stagingPath, on.mounts);
   const { ours, foreign } = symlink ? { ours: [], foreign: [] } : classifyAt(on, target);
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
   let table = on.mounts;
@@ -218,8 +221,8 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
     if (table.some((m) => m.mountPoint === target))
       throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
   }
-  const present = ours.length > 0 || (await d.host.pathKind(path.normalize(r.target))) !== 'absent';
-  if (!known && !present) {
+  // A volume that does not exist: NOT_FOUND, and nothing at the path is removed (it is not the driver's).
+  if (!known && ours.length === 0) {
     await d.volumes.assertPoolPresent(); // not there is not "does not exist"
     throw missing(`Volume ${r.id} does not exist.`);
   }
