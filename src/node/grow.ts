@@ -11,6 +11,8 @@ import { isReadOnlyMount } from '../host/mounts.js';
 import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
 import {
   callerPath,
+  fencedDevices,
+  fencedError,
   isDeviceBind,
   loopOfMount,
   lookAtHost,
@@ -58,6 +60,9 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   const top = on.mounts.filter((m) => m.mountPoint === p).at(-1);
   const loop = top ? loopOfMount(top, on.loops) : undefined;
   if (!top || !loop) throw missing(`Volume ${r.id} is not staged or published at ${r.volumePath}.`);
+  // A filesystem frozen for good after a force-detach: growing it would hang on the freeze, unkillably.
+  const [fenced] = await fencedDevices(d, r.id, [loop]);
+  if (fenced) throw fencedError(r.id, fenced);
   // The size is the image's (ControllerExpandVolume set it): a limit below it is the caller's to fix,
   // checked before any device is refreshed (for a raw block volume that refresh is the growth).
   const imageBytes = await d.host.fileSizeOf(on.image);

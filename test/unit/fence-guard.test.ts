@@ -7,6 +7,7 @@
 import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it, vi } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
+import { expandVolume } from '../../src/node/grow.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
 import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
 import { Turns } from '../../src/pool/turns.js';
@@ -22,6 +23,7 @@ import {
   publish,
   removeWorlds,
   stage,
+  STAGING,
   takenFromAnotherHost,
   unpublish,
   unstage,
@@ -55,6 +57,18 @@ async function revoked(w: World, id: string) {
 }
 
 describe('the fence guard', () => {
+  it('a volume fenced here is never grown: NodeExpandVolume refuses before touching the frozen filesystem', async () => {
+    const { w, id } = await takenFromNode();
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round(); // frozen for good
+    const from = w.host.ops.length;
+    const code = await codeOf(
+      expandVolume(w.d, w.x, { id, volumePath: STAGING, requiredBytes: 0, limitBytes: 0 }),
+    );
+    expect({ code, ops: w.host.ops.slice(from) }).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+  });
+
   it('freezes a writable mount of a volume taken from this node, records it, then confirms', async () => {
     const { w, id } = await takenFromNode();
     expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
