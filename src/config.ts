@@ -126,7 +126,7 @@ export const FLAGS: readonly FlagSpec[] = [
     name: 'kubelet-dir',
     value: 'DIR',
     default: '/var/lib/kubelet',
-    help: "the kubelet's root directory: the node plugin's start-up check reports mounts of pool devices outside it",
+    help: "the kubelet's root directory: the node plugin's start-up check reports mounts of pool devices outside it, and a volume mounted at or above it is not one a target path may not lie in",
   },
   {
     name: 'per-volume-metrics',

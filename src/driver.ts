@@ -153,6 +153,7 @@ async function serve(
       nodes,
       host: kernelHost,
       poolRoot: pool.root,
+      kubeletDir: config.kubeletDir,
       bootId: (
         await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown-boot')
       ).trim(),

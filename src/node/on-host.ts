@@ -33,6 +33,8 @@ export interface NodeDeps {
   poolRoot: string;
   /** This host's boot id: what the node froze for good is remembered per boot. */
   bootId: string;
+  /** The kubelet's root directory (--kubelet-dir), when known: mounts at or above it are the host's. */
+  kubeletDir?: string;
 }
 
 /**
@@ -196,7 +198,10 @@ const within = (p: string, dir: string): boolean => p === dir || p.startsWith(di
  * Refuses a target path inside a mounted volume (a staging, or a pod's bind of one) or holding one
  * beneath it, or that is the volume's own staging path: publishing there would hide another volume's
  * files or expose this one's in another volume's tree, and unpublishing would unmount or remove what is
- * not the pod's. Volumes of any pool count (loop devices backed by an image file of ours).
+ * not the pod's. Volumes of any pool count (loop devices backed by an image file of ours), known by the
+ * mount's device number or its source (btrfs shows an anonymous device number, not the loop's). A
+ * mount at or above the kubelet's directory is the host's, not a volume staged here (a kubelet whose
+ * root is itself on such a volume, as in a cluster nested in a pod).
  */
 export async function checkTargetPlace(
   d: NodeDeps,
@@ -207,23 +212,24 @@ export async function checkTargetPlace(
 ): Promise<void> {
   if (target === staging)
     throw invalid(`target_path ${target} is the volume's staging path; a pod's path is another one.`);
-  const volumeDevices = new Set(
-    (await d.host.loops(x, () => false))
-      .filter((l) => backingName(l) === IMAGE_FILE)
-      .map((l) => l.majorMinor),
-  );
+  const volumeLoops = (await d.host.loops(x, () => false)).filter((l) => backingName(l) === IMAGE_FILE);
+  const numbers = new Set(volumeLoops.map((l) => l.majorMinor));
+  const sources = new Set(volumeLoops.map((l) => l.path));
+  const isVolume = (m: MountEntry): boolean =>
+    (numbers.has(m.majorMinor) || sources.has(m.source)) &&
+    !(d.kubeletDir !== undefined && within(d.kubeletDir, m.mountPoint));
   const parent = path.dirname(target);
+  // The mount that holds the target's directory: the longest mount point above it, the last mounted
+  // of those stacked on one point (the one visible).
   const holding = mounts
     .filter((m) => within(parent, m.mountPoint))
     .reduce<MountEntry | undefined>(
-      (a, m) => (a && a.mountPoint.length >= m.mountPoint.length ? a : m),
+      (a, m) => (a && a.mountPoint.length > m.mountPoint.length ? a : m),
       undefined,
     );
-  if (holding && volumeDevices.has(holding.majorMinor))
+  if (holding && isVolume(holding))
     throw invalid(`target_path ${target} lies inside a mounted volume (at ${holding.mountPoint}).`);
-  const beneath = mounts.find(
-    (m) => m.mountPoint !== target && within(m.mountPoint, target) && volumeDevices.has(m.majorMinor),
-  );
+  const beneath = mounts.find((m) => m.mountPoint !== target && within(m.mountPoint, target) && isVolume(m));
   if (beneath)
     throw invalid(`target_path ${target} holds a mounted volume beneath it (at ${beneath.mountPoint}).`);
 }

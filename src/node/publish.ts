@@ -221,8 +221,10 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
     if (table.some((m) => m.mountPoint === target))
       throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
   }
-  // A volume that does not exist: NOT_FOUND, and nothing at the path is removed (it is not the driver's).
-  if (!known && ours.length === 0) {
+  const present = ours.length > 0 || (await d.host.pathKind(path.normalize(r.target))) !== 'absent';
+  // An empty directory left at the path (a node that went down with it mounted, its volume deleted
+  // meanwhile) is removed and OK: the kubelet removes a pod's directory only after an OK.
+  if (!known && !present) {
     await d.volumes.assertPoolPresent(); // not there is not "does not exist"
     throw missing(`Volume ${r.id} does not exist.`);
   }

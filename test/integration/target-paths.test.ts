@@ -55,7 +55,7 @@ describe.skipIf(!isRoot())('target paths', () => {
     });
   });
 
-  it('unpublish never removes what it did not make: paths inside another volume, or of a volume that does not exist', async () => {
+  it('unpublish removes nothing inside another volume; an empty directory of a deleted volume goes, OK', async () => {
     const cap = mountCap('ext4');
     const b = await createVolume(d, 'hunt-a3-b', cap, 32 * MiB);
     const a = await createVolume(d, 'hunt-a3-a', cap, 32 * MiB);
@@ -72,12 +72,14 @@ describe.skipIf(!isRoot())('target paths', () => {
     const r2 = await codeOf(
       d.clients.node.NodeUnpublishVolume({ volume_id: a.id, target_path: path.join(target, 'spool') }),
     );
-    // even with a volume id that exists nowhere
-    await fs.writeFile(path.join(base, 'unrelated-empty'), '');
+    // A pod's directory left behind by a node that went down with it mounted, its volume deleted
+    // meanwhile: the kubelet removes a pod's directory only once NodeUnpublishVolume answers OK.
+    const orphan = path.join(base, 'a3-orphan-pod', 'mount');
+    await fs.mkdir(orphan, { recursive: true });
     const r3 = await codeOf(
       d.clients.node.NodeUnpublishVolume({
         volume_id: 'vol-00000000000000000000000000000000',
-        target_path: path.join(base, 'unrelated-empty'),
+        target_path: orphan,
       }),
     );
     const left = {
@@ -89,7 +91,7 @@ describe.skipIf(!isRoot())('target paths', () => {
         () => true,
         () => false,
       ),
-      unrelated: await fs.stat(path.join(base, 'unrelated-empty')).then(
+      orphan: await fs.stat(orphan).then(
         () => true,
         () => false,
       ),
@@ -97,37 +99,66 @@ describe.skipIf(!isRoot())('target paths', () => {
     await d.clients.node.NodeUnpublishVolume({ volume_id: b.id, target_path: target });
     await d.clients.node.NodeUnstageVolume({ volume_id: b.id, staging_target_path: staging });
     expect({ codes: [r1, r2, r3], left }).toEqual({
-      codes: ['INVALID_ARGUMENT', 'INVALID_ARGUMENT', 'NOT_FOUND'],
-      left: { ready: true, spool: true, unrelated: true },
+      codes: ['INVALID_ARGUMENT', 'INVALID_ARGUMENT', 'OK'],
+      left: { ready: true, spool: true, orphan: false },
     });
   });
 
-  it("publish refuses a target inside another volume's filesystem: nothing made there, nothing exposed", async () => {
+  it.each(['ext4', 'btrfs'])(
+    "publish refuses a target inside another volume's filesystem (%s): nothing made there, nothing exposed",
+    async (fsType) => {
+      const cap = mountCap('ext4');
+      const capB = mountCap(fsType);
+      const b = await createVolume(d, `hunt-a4-b-${fsType}`, capB, 300 * MiB);
+      const a = await createVolume(d, `hunt-a4-a-${fsType}`, cap, 32 * MiB);
+      const sb = path.join(base, `a4-staging-b-${fsType}`);
+      const sa = path.join(base, `a4-staging-a-${fsType}`);
+      await stage(d, b.id, sb, capB);
+      await stage(d, a.id, sa, cap);
+      await fs.writeFile(path.join(sa, 'secret-of-a'), 'a');
+      const inside = path.join(sb, 'x', 'mount');
+      const code = await codeOf(
+        d.clients.node.NodePublishVolume({
+          volume_id: a.id,
+          staging_target_path: sa,
+          target_path: inside,
+          volume_capability: cap,
+        }),
+      );
+      const seen = await fs.stat(path.join(inside, 'secret-of-a')).then(
+        () => true,
+        () => false,
+      );
+      await d.clients.node
+        .NodeUnpublishVolume({ volume_id: a.id, target_path: inside })
+        .catch(() => undefined);
+      await fs.rm(path.join(sb, 'x'), { recursive: true, force: true });
+      await d.clients.node.NodeUnstageVolume({ volume_id: a.id, staging_target_path: sa });
+      await d.clients.node.NodeUnstageVolume({ volume_id: b.id, staging_target_path: sb });
+      expect({ code, seen }).toEqual({ code: 'INVALID_ARGUMENT', seen: false });
+    },
+  );
+
+  it('publish refuses a target that holds a mounted volume beneath it', async () => {
     const cap = mountCap('ext4');
-    const b = await createVolume(d, 'hunt-a4-b', cap, 32 * MiB);
-    const a = await createVolume(d, 'hunt-a4-a', cap, 32 * MiB);
-    const sb = path.join(base, 'a4-staging-b');
-    const sa = path.join(base, 'a4-staging-a');
+    const b = await createVolume(d, 'hunt-a5-b', cap, 32 * MiB);
+    const a = await createVolume(d, 'hunt-a5-a', cap, 32 * MiB);
+    const sb = path.join(base, 'a5', 'staging-b');
+    const sa = path.join(base, 'a5-staging-a');
     await stage(d, b.id, sb, cap);
     await stage(d, a.id, sa, cap);
-    await fs.writeFile(path.join(sa, 'secret-of-a'), 'a');
-    const inside = path.join(sb, 'x', 'mount');
     const code = await codeOf(
       d.clients.node.NodePublishVolume({
         volume_id: a.id,
         staging_target_path: sa,
-        target_path: inside,
+        target_path: path.join(base, 'a5'),
         volume_capability: cap,
       }),
     );
-    const seen = await fs.stat(path.join(inside, 'secret-of-a')).then(
-      () => true,
-      () => false,
-    );
-    await d.clients.node.NodeUnpublishVolume({ volume_id: a.id, target_path: inside }).catch(() => undefined);
-    await fs.rm(path.join(sb, 'x'), { recursive: true, force: true });
+    if (code === 'OK')
+      await d.clients.node.NodeUnpublishVolume({ volume_id: a.id, target_path: path.join(base, 'a5') });
     await d.clients.node.NodeUnstageVolume({ volume_id: a.id, staging_target_path: sa });
     await d.clients.node.NodeUnstageVolume({ volume_id: b.id, staging_target_path: sb });
-    expect({ code, seen }).toEqual({ code: 'INVALID_ARGUMENT', seen: false });
+    expect(code).toBe('INVALID_ARGUMENT'); // it would have hidden staging-b under volume a
   });
 });

@@ -361,6 +361,26 @@ describe('a stage that fails undoes what it did', () => {
     }).toEqual({ code: 'INTERNAL', attached: [], lease: undefined });
   });
 
+  it("a kubelet whose root is itself a volume's mount still publishes beneath it (a cluster nested in a pod)", async () => {
+    const w = await world();
+    const kubelet = '/var/lib/kubelet';
+    const outer = (await newVolume(w)).id; // the nested cluster's /var/lib/kubelet, a volume of a pool here
+    w.host.addPath(kubelet);
+    await stageVolume(w.d, w.x, {
+      id: outer,
+      staging: kubelet,
+      cap: cap(),
+      publishPool: undefined,
+      poolId: undefined,
+    });
+    const { id } = await newVolume(w);
+    await stage(w, id); // STAGING lies beneath the kubelet's root
+    const refused = await codeOf(publish(w, id));
+    w.d.kubeletDir = kubelet;
+    const published = await codeOf(publish(w, id));
+    expect({ refused, published }).toEqual({ refused: 'INVALID_ARGUMENT', published: 'OK' });
+  });
+
   it('keeps the lease when the rollback cannot detach the volume (something still holds it)', async () => {
     const w = await world();
     const { id } = await newVolume(w);
