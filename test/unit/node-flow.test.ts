@@ -12,6 +12,7 @@ import { expandVolume } from '../../src/node/grow.js';
 import { stageVolume } from '../../src/node/stage.js';
 import { volumeStats } from '../../src/node/stats.js';
 import { allocatedBytes } from '../../src/pool/images.js';
+import { Pool } from '../../src/pool/pool.js';
 import type { Capability, FsType } from '../../src/pool/types.js';
 import { commandError, FakeHost, type ImageContent } from '../helpers/fake-host.js';
 import {
@@ -379,6 +380,27 @@ describe('a stage that fails undoes what it did', () => {
     w.d.kubeletDir = kubelet;
     const published = await codeOf(publish(w, id));
     expect({ refused, published }).toEqual({ refused: 'INVALID_ARGUMENT', published: 'OK' });
+  });
+
+  it('a pool replaced by another is never read as "volume gone" nor as "never formatted"', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    // Another export mounted where the pool's was, under the driver: another pool is there.
+    const aside = `${w.pool.root}.aside`;
+    await fs.rename(w.pool.root, aside);
+    await Pool.open(w.pool.root, 'another', log);
+    const codes = {
+      initialized: await codeOf(w.volumes.isInitialized(id)),
+      dropLease: await codeOf(w.volumes.dropLease(id, NODE)),
+      unpublishFromNode: await codeOf(w.volumes.unpublish(id, NODE)),
+    };
+    await fs.rm(w.pool.root, { recursive: true });
+    await fs.rename(aside, w.pool.root);
+    expect({ codes, lease: (await w.volumes.lease(id, NODE))?.node }).toEqual({
+      codes: { initialized: 'UNAVAILABLE', dropLease: 'UNAVAILABLE', unpublishFromNode: 'UNAVAILABLE' },
+      lease: NODE,
+    });
   });
 
   it('keeps the lease when the rollback cannot detach the volume (something still holds it)', async () => {
