@@ -87,31 +87,42 @@ export type RecordRead<T> =
   { state: 'absent' } | { state: 'ok'; value: T } | { state: 'damaged'; reason: string };
 
 /**
+ * Pauses before reading a record again that did not parse. Every record is written whole (temp file,
+ * rename), so one that reads torn is a network filesystem client's cache: it read the new file with
+ * the old one's size, until its attribute cache expires (FUSE: 1 s by default). Only a record that
+ * stays unreadable across these is damaged.
+ */
+const REREAD_PAUSES_MS = [25, 100, 400, 1_000];
+
+/**
  * Reads a JSON record and checks it with `parse`. A record that exists but is not valid JSON or not of
- * its shape is "damaged": never the same as absent, because absent lets a retry start over (and
- * discard what is there), and a damaged record may stand for data.
+ * its shape, read after read, is "damaged": never the same as absent, because absent lets a retry
+ * start over (and discard what is there), and a damaged record may stand for data.
  */
 export async function readRecord<T>(
   file: string,
   parse: (v: unknown) => T | undefined,
 ): Promise<RecordRead<T>> {
-  let text: string;
-  try {
-    text = await fs.readFile(file, 'utf8');
-  } catch (err) {
-    if (errnoCode(err) === 'ENOENT' || errnoCode(err) === 'ENOTDIR') return { state: 'absent' };
-    throw err;
+  for (let attempt = 0; ; attempt++) {
+    let text: string;
+    try {
+      text = await fs.readFile(file, 'utf8');
+    } catch (err) {
+      if (errnoCode(err) === 'ENOENT' || errnoCode(err) === 'ENOTDIR') return { state: 'absent' };
+      throw err;
+    }
+    let reason: string;
+    try {
+      const value = parse(JSON.parse(text) as unknown);
+      if (value !== undefined) return { state: 'ok', value };
+      reason = `${path.basename(file)} does not have the expected fields`;
+    } catch {
+      reason = `${path.basename(file)} is not valid JSON`;
+    }
+    const pause = REREAD_PAUSES_MS[attempt];
+    if (pause === undefined) return { state: 'damaged', reason };
+    await new Promise((r) => setTimeout(r, pause));
   }
-  let raw: unknown;
-  try {
-    raw = JSON.parse(text) as unknown;
-  } catch {
-    return { state: 'damaged', reason: `${path.basename(file)} is not valid JSON` };
-  }
-  const value = parse(raw);
-  if (value === undefined)
-    return { state: 'damaged', reason: `${path.basename(file)} does not have the expected fields` };
-  return { state: 'ok', value };
 }
 
 /** Lists a directory; an absent directory is empty. */

@@ -8,6 +8,7 @@ import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
 import { type CheckOptions, recheckHost, runCheck } from '../../src/audit/check.js';
 import { collectGarbage } from '../../src/audit/gc.js';
+import { readRecord } from '../../src/pool/fsutil.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
 import {
   codeOf,
@@ -116,5 +117,26 @@ describe('a damaged record', () => {
     expect(check.findings).toContainEqual(
       expect.objectContaining({ kind: 'damaged-node-record', subject: file, node: NODE }),
     );
+  });
+});
+
+describe('a record read torn by a network filesystem client', () => {
+  const parse = (v: unknown) => (typeof v === 'object' && v !== null && 'id' in v ? v : undefined);
+  it('is read again, and whole once the client sees it whole: never taken for damaged', async () => {
+    const w = await world();
+    const file = `${w.pool.root}/torn.json`;
+    // What a client with the old file's size in its attribute cache reads of a file replaced by rename.
+    await fs.writeFile(file, '{"id":"vol-1","st');
+    setTimeout(() => void fs.writeFile(file, '{"id":"vol-1","state":"ready"}'), 200);
+    expect(await readRecord(file, parse)).toEqual({ state: 'ok', value: { id: 'vol-1', state: 'ready' } });
+  });
+  it('is damaged when it stays unreadable', async () => {
+    const w = await world();
+    const file = `${w.pool.root}/damaged.json`;
+    await fs.writeFile(file, '{"id":');
+    expect(await readRecord(file, parse)).toEqual({
+      state: 'damaged',
+      reason: 'damaged.json is not valid JSON',
+    });
   });
 });
