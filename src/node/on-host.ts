@@ -75,6 +75,8 @@ export interface OnHost {
   /** The image's identity; undefined when the image is not there (deleted, or the pool is not mounted). */
   imageId: FileId | undefined;
   loops: LoopDevice[];
+  /** Every attached loop device of this host, of any volume or none (the same reading). */
+  allLoops: LoopDevice[];
   mounts: MountEntry[];
 }
 
@@ -115,7 +117,14 @@ export async function lookAtHost(d: NodeDeps, x: Exec, id: string): Promise<OnHo
     d.host.loops(x, (l) => backingName(l) === IMAGE_FILE),
     d.host.mounts(),
   ]);
-  return { id, image, imageId, loops: loops.filter((l) => isBackedBy(l, id, imageId)), mounts };
+  return {
+    id,
+    image,
+    imageId,
+    loops: loops.filter((l) => isBackedBy(l, id, imageId)),
+    allLoops: loops,
+    mounts,
+  };
 }
 
 /** The loop device a mount shows: a filesystem on /dev/loopN, or a bind of the device node itself. */
@@ -175,6 +184,9 @@ export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>>
   return others;
 }
 
+/** Whether `p` is `dir` or lies beneath it. */
+const within = (p: string, dir: string): boolean => p === dir || p.startsWith(dir === '/' ? '/' : `${dir}/`);
+
 /**
  * The canonical form of a staging or target path the CO gave. Refused (INVALID_ARGUMENT) when it is
  * the root, lies in the pool, or holds the pool: a mount there would hand a pod the pool's own files,
@@ -183,16 +195,13 @@ export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>>
 export async function callerPath(d: NodeDeps, p: string, field: string): Promise<string> {
   const real = await d.host.canonicalPath(p);
   const root = d.poolRoot;
-  if (real === '/' || real === root || real.startsWith(`${root}/`) || root.startsWith(`${real}/`)) {
+  if (within(real, root) || within(root, real)) {
     throw invalid(
       `${field} ${p} is the root, the pool, or a directory holding the pool; the driver never mounts or removes anything there.`,
     );
   }
   return real;
 }
-
-/** Whether `p` is `dir` or lies beneath it. */
-const within = (p: string, dir: string): boolean => p === dir || p.startsWith(dir === '/' ? '/' : `${dir}/`);
 
 /**
  * Refuses a target path inside a mounted volume (a staging, or a pod's bind of one) or holding one
@@ -203,25 +212,24 @@ const within = (p: string, dir: string): boolean => p === dir || p.startsWith(di
  * mount at or above the kubelet's directory is the host's, not a volume staged here (a kubelet whose
  * root is itself on such a volume, as in a cluster nested in a pod).
  */
-export async function checkTargetPlace(
-  d: NodeDeps,
-  x: Exec,
+export function checkTargetPlace(
+  on: OnHost,
   target: string,
   staging: string | undefined,
-  mounts: readonly MountEntry[],
-): Promise<void> {
+  kubeletDir?: string,
+): void {
   if (target === staging)
     throw invalid(`target_path ${target} is the volume's staging path; a pod's path is another one.`);
-  const volumeLoops = (await d.host.loops(x, () => false)).filter((l) => backingName(l) === IMAGE_FILE);
+  const volumeLoops = on.allLoops.filter((l) => backingName(l) === IMAGE_FILE);
   const numbers = new Set(volumeLoops.map((l) => l.majorMinor));
   const sources = new Set(volumeLoops.map((l) => l.path));
   const isVolume = (m: MountEntry): boolean =>
     (numbers.has(m.majorMinor) || sources.has(m.source)) &&
-    !(d.kubeletDir !== undefined && within(d.kubeletDir, m.mountPoint));
+    !(kubeletDir !== undefined && within(kubeletDir, m.mountPoint));
   const parent = path.dirname(target);
   // The mount that holds the target's directory: the longest mount point above it, the last mounted
   // of those stacked on one point (the one visible).
-  const holding = mounts
+  const holding = on.mounts
     .filter((m) => within(parent, m.mountPoint))
     .reduce<MountEntry | undefined>(
       (a, m) => (a && a.mountPoint.length > m.mountPoint.length ? a : m),
@@ -229,7 +237,9 @@ export async function checkTargetPlace(
     );
   if (holding && isVolume(holding))
     throw invalid(`target_path ${target} lies inside a mounted volume (at ${holding.mountPoint}).`);
-  const beneath = mounts.find((m) => m.mountPoint !== target && within(m.mountPoint, target) && isVolume(m));
+  const beneath = on.mounts.find(
+    (m) => m.mountPoint !== target && within(m.mountPoint, target) && isVolume(m),
+  );
   if (beneath)
     throw invalid(`target_path ${target} holds a mounted volume beneath it (at ${beneath.mountPoint}).`);
 }

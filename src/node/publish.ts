@@ -99,7 +99,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));
   const options = bindOptions(readOnly, stagedMount, r.cap.mountFlags);
-  await checkTargetPlace(d, x, target, staging, on.mounts);
+  checkTargetPlace(on, target, staging, d.kubeletDir);
 
   // Already published at this target?
   const existing = on.mounts.filter((m) => m.mountPoint === target).at(-1);
@@ -212,7 +212,8 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   const symlink = await isSymlinkPath(d, r.target);
   const on = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
-  await checkTargetPlace(d, x, target, (await d.volumes.lease(r.id, d.nodeId))?.stagingPath, on.mounts);
+  const lease = await d.volumes.lease(r.id, d.nodeId);
+  checkTargetPlace(on, target, lease?.stagingPath, d.kubeletDir);
   const { ours, foreign } = symlink ? { ours: [], foreign: [] } : classifyAt(on, target);
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
   let table = on.mounts;
@@ -235,7 +236,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   await d.host.removeCreated(target);
   if (ours.some(isDeviceBind)) {
     // A read-only loop device attached only for this block publish goes with it.
-    const staged = stagingLoop(on.loops, await d.volumes.lease(r.id, d.nodeId), table);
+    const staged = stagingLoop(on.loops, lease, table);
     const others = await othersLoops(d, on);
     if (staged)
       await detachUnused(
