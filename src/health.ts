@@ -1,6 +1,7 @@
 /** Whether this process can do its job: the pool is usable and the host tools it runs are installed. */
 import { type Mode, servesController, servesNode } from './config.js';
 import { findTool, isExecutable } from './exec/which.js';
+import { orAfter } from './limit.js';
 import type { Pool } from './pool/pool.js';
 
 /** Tools the controller runs: preallocation, sparse copies, and a look at what a source image holds. */
@@ -108,19 +109,12 @@ export class Readiness {
         return `The driver is not ready: checking it failed (${err instanceof Error ? err.message : String(err)}).`;
       },
     );
-    let timer: NodeJS.Timeout | undefined;
-    const late = new Promise<string>((resolve) => {
-      timer = setTimeout(() => {
-        resolve(
-          `The driver is not ready: the pool ${'root' in state ? state.root : ''} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
-        );
-      }, timeoutMs);
-    });
-    try {
-      return await Promise.race([this.running, late]);
-    } finally {
-      clearTimeout(timer);
-    }
+    return orAfter(
+      this.running,
+      timeoutMs,
+      () =>
+        `The driver is not ready: the pool ${'root' in state ? state.root : ''} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
+    );
   }
 }
 

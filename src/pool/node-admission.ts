@@ -16,7 +16,7 @@ import { failpoint } from '../failpoints.js';
 import { listDir } from './fsutil.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import { busy, noSpace } from '../errors.js';
-import { mapLimit } from '../limit.js';
+import { mapLimit, orAfter } from '../limit.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
 import { Turns } from './turns.js';
@@ -58,21 +58,12 @@ export class NodeAdmission {
    * waits here before it takes its volume's lock, which other processes' calls need meanwhile.
    */
   async whenRepaired(waitMs = REPAIR_WAIT_MS): Promise<void> {
-    let timer: NodeJS.Timeout | undefined;
-    try {
-      const done = await Promise.race([
-        this.repaired.then(() => true),
-        new Promise<false>((resolve) => {
-          timer = setTimeout(() => {
-            resolve(false);
-          }, waitMs);
-        }),
-      ]);
-      if (!done)
-        throw busy('The controller is still checking the node index against the attachments; retry.');
-    } finally {
-      clearTimeout(timer);
-    }
+    const done = await orAfter(
+      this.repaired.then(() => true),
+      waitMs,
+      () => false,
+    );
+    if (!done) throw busy('The controller is still checking the node index against the attachments; retry.');
   }
 
   /**
