@@ -117,26 +117,20 @@ export async function stage(dir, results, { reps, kinds = ['ext4', 'xfs', 'btrfs
         s.cmdMs.push(cmds.reduce((a, c) => a + c.ms, 0));
         s.ucmds.push(ucmds.length);
       }
-      rows.push({
-        call: 'NodeStageVolume',
+      const row = (call, driver, floor, commands, commandMs, goal) => ({
+        call,
         kind,
-        'driver ms': round(median(s.stage)),
-        'floor ms': round(median(s.floorStage)),
-        ratio: round(median(s.stage) / median(s.floorStage), 2),
-        commands: median(s.cmds),
-        'command ms': round(median(s.cmdMs)),
-        goal: 'ratio <= 1.25',
+        'driver ms': round(median(driver)),
+        'floor ms': round(median(floor)),
+        ratio: round(median(driver) / median(floor), 2),
+        commands: median(commands),
+        'command ms': commandMs,
+        goal,
       });
-      rows.push({
-        call: 'NodeUnstageVolume',
-        kind,
-        'driver ms': round(median(s.unstage)),
-        'floor ms': round(median(s.floorUnstage)),
-        ratio: round(median(s.unstage) / median(s.floorUnstage), 2),
-        commands: median(s.ucmds),
-        'command ms': '',
-        goal: '',
-      });
+      rows.push(
+        row('NodeStageVolume', s.stage, s.floorStage, s.cmds, round(median(s.cmdMs)), 'ratio <= 1.25'),
+        row('NodeUnstageVolume', s.unstage, s.floorUnstage, s.ucmds, '', ''),
+      );
     }
   } finally {
     await d.stop();

@@ -386,6 +386,17 @@ describe('capacity', () => {
     env.declareOwn(pool.mountPoint, pool.device);
   });
 
+  /** A driver on the small scratch pool; `socket` names its own socket beside it (several run in turn). */
+  const onScratchPool = (socket?: string, extra: string[] = []): Promise<DriverProcess> => {
+    const base = path.dirname(pool.mountPoint);
+    return driver({
+      dir: base,
+      poolDir: path.join(pool.mountPoint, 'pool'),
+      ...(socket ? { socket: path.join(base, socket) } : {}),
+      extra,
+    });
+  };
+
   async function available(d: DriverProcess): Promise<number> {
     const c = await d.clients.controller.GetCapacity({ volume_capabilities: [], parameters: {} });
     expect(c.maximum_volume_size?.value).toBe(c.available_capacity);
@@ -393,8 +404,7 @@ describe('capacity', () => {
   }
 
   it('counts sparse promises, preallocated blocks, and refuses what the pool cannot honour', async () => {
-    const base = path.dirname(pool.mountPoint);
-    const d = await driver({ dir: base, poolDir: path.join(pool.mountPoint, 'pool') });
+    const d = await onScratchPool();
     const start = await available(d);
     expect(start).toBeGreaterThan(400 * MiB);
     const sparse = await d.clients.controller.CreateVolume({
@@ -433,13 +443,7 @@ describe('capacity', () => {
   });
 
   it('lets --overcommit-ratio promise more, and cleans up when the disk really runs out', async () => {
-    const base = path.dirname(pool.mountPoint);
-    const d = await driver({
-      dir: base,
-      poolDir: path.join(pool.mountPoint, 'pool'),
-      socket: path.join(base, 'over.sock'),
-      extra: ['--overcommit-ratio=100'],
-    });
+    const d = await onScratchPool('over.sock', ['--overcommit-ratio=100']);
     const start = await available(d);
     const preStart = Number(
       (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
@@ -476,13 +480,7 @@ describe('capacity', () => {
   });
 
   it('admits a preallocated clone or restore against the free space, never the overcommitted budget', async () => {
-    const base = path.dirname(pool.mountPoint);
-    const d = await driver({
-      dir: base,
-      poolDir: path.join(pool.mountPoint, 'pool'),
-      socket: path.join(base, 'prealloc-clone.sock'),
-      extra: ['--overcommit-ratio=2'],
-    });
+    const d = await onScratchPool('prealloc-clone.sock', ['--overcommit-ratio=2']);
     const src = await d.clients.controller.CreateVolume({
       name: 'prealloc-src',
       volume_capabilities: [blockCap()],

@@ -177,6 +177,19 @@ describe('a group snapshot whose freeze ended before its copy did', () => {
   });
 });
 
+/**
+ * A world with one mounted volume `a`, whose group snapshot "g1" (`groupId`) takes a pool lock the
+ * test can lose (its signal, its assertHeld) with `lost`.
+ */
+async function groupWithLosableLock() {
+  const w = await controllerWorld();
+  const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
+  const groupId = groupSnapshotIdForName('g1');
+  const lost = new AbortController();
+  losableGroupLock(w, groupId, lost);
+  return { w, a, groupId, lost };
+}
+
 /** Makes the pool lock of `groupId` in `w` one the test can lose (its signal, its assertHeld) with `lost`. */
 function losableGroupLock(w: ControllerWorld, groupId: string, lost: AbortController): void {
   const pool = w.pool as unknown as { withLock: (...a: unknown[]) => Promise<unknown> };
@@ -243,11 +256,7 @@ describe('a group snapshot and the names and locks it shares with others', () =>
   });
 
   it("whose pool lock was lost deletes nothing in its cleanup: the group is the new holder's", async () => {
-    const w = await controllerWorld();
-    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
-    const groupId = groupSnapshotIdForName('g1');
-    const lost = new AbortController();
-    losableGroupLock(w, groupId, lost);
+    const { w, a, groupId, lost } = await groupWithLosableLock();
     const snaps = w.snapshots as unknown as { markReady: (...a: unknown[]) => Promise<unknown> };
     snaps.markReady = async () => {
       // A stalled past the lease: B took the group over, redid it and answered the CO "ready".
@@ -264,11 +273,7 @@ describe('a group snapshot and the names and locks it shares with others', () =>
   });
 
   it('whose pool lock was lost before its members were marked ready marks none', async () => {
-    const w = await controllerWorld();
-    const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
-    const groupId = groupSnapshotIdForName('g1');
-    const lost = new AbortController();
-    losableGroupLock(w, groupId, lost);
+    const { w, a, groupId, lost } = await groupWithLosableLock();
     const create = w.snapshots.create.bind(w.snapshots);
     w.snapshots.create = async (meta, copy, opts) => {
       const made = await create(meta, copy, opts);

@@ -385,6 +385,14 @@ describe('freezes for copies', () => {
 });
 
 describe('a burst of publishes to one node', () => {
+  /** The ids of `n` new volumes. */
+  function volumeIds(w: World, n: 3): Promise<[string, string, string]>;
+  function volumeIds(w: World, n: 4): Promise<[string, string, string, string]>;
+  function volumeIds(w: World, n: number): Promise<string[]>;
+  function volumeIds(w: World, n: number): Promise<string[]> {
+    return Promise.all(Array.from({ length: n }, async () => (await newVolume(w)).id));
+  }
+
   /** What a ControllerPublishVolume of a single-node writer to NODE records. */
   const WRITER = {
     node: NODE,
@@ -396,7 +404,7 @@ describe('a burst of publishes to one node', () => {
 
   it('queues them in this process: none is ABORTED, and the node limit holds exactly', async () => {
     const w = await world();
-    const ids = await Promise.all(Array.from({ length: 48 }, async () => (await newVolume(w)).id));
+    const ids = await volumeIds(w, 48);
     const codes = await Promise.all(ids.map((id) => codeOf(w.volumes.publish(id, WRITER, 40))));
     const count = (c: string) => codes.filter((x) => x === c).length;
     expect({ ok: count('OK'), exhausted: count('RESOURCE_EXHAUSTED'), aborted: count('ABORTED') }).toEqual({
@@ -454,18 +462,13 @@ describe('a burst of publishes to one node', () => {
 
   it('a member that fails once admitted does not leave a later member of its batch refused', async () => {
     const w = await world();
-    const [first, bad, good] = [(await newVolume(w)).id, (await newVolume(w)).id, (await newVolume(w)).id];
+    const [first, bad, good] = await volumeIds(w, 3);
     expect(await nextBatch(w, first, [bad, good], bad, 2)).toEqual(['OK', 'INTERNAL', 'OK']);
   });
 
   it('a batch whose second round cannot count fails only those still waiting, not those done', async () => {
     const w = await world();
-    const [first, done, bad, waiting] = [
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-    ];
+    const [first, done, bad, waiting] = await volumeIds(w, 4);
     // The index can be listed for the first round of the second batch, not for its second round.
     const nodes = w.d.nodes as unknown as { attachedVolumes: (n: string) => Promise<string[]> };
     const list = nodes.attachedVolumes.bind(nodes);
@@ -502,12 +505,7 @@ describe('a burst of publishes to one node', () => {
 
   it('admits nothing while the start-up check of the index runs, and skips a volume it cannot read', async () => {
     const w = await world();
-    const [a, b, c, broken] = [
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-      (await newVolume(w)).id,
-    ];
+    const [a, b, c, broken] = await volumeIds(w, 4);
     await w.volumes.publish(a, WRITER, 2);
     await w.volumes.publish(b, WRITER, 2);
     await w.d.nodes.removeAttached(NODE, b); // lost by an older release
