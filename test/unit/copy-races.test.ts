@@ -273,7 +273,7 @@ describe('a group snapshot and the names and locks it shares with others', () =>
   });
 
   it('whose pool lock was lost before its members were marked ready marks none', async () => {
-    const { w, a, groupId, lost } = await groupWithLosableLock();
+    const { w, a, lost } = await groupWithLosableLock();
     const create = w.snapshots.create.bind(w.snapshots);
     w.snapshots.create = async (meta, copy, opts) => {
       const made = await create(meta, copy, opts);
