@@ -8,7 +8,7 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { conflict, mismatch, unsafe } from '../errors.js';
 import { NodeAdmission } from './node-admission.js';
-import { exists, listDir, readRecord, type RecordRead, removeFile, writeFileAtomic } from './fsutil.js';
+import { exists, listDir, readRecord, type RecordRead, removeFile, writeFilesAtomic } from './fsutil.js';
 import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import type { NodeRegistry } from './nodes.js';
@@ -23,6 +23,7 @@ import {
 } from './types.js';
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
+type NewFile = Parameters<typeof writeFilesAtomic>[0][number];
 
 export abstract class VolumeFences {
   /** This process's publishes to a node, admitted in batches against the node's limit (node-admission.ts). */
@@ -79,8 +80,9 @@ export abstract class VolumeFences {
     return r.state === 'ok' ? r.value : { attachments: {}, leases: {}, revoked: {}, detached: {} };
   }
 
-  private async writeFenceFile(id: string, f: FenceFile): Promise<void> {
-    await writeFileAtomic(this.layout.volumeFences(id), json(f));
+  /** The fence file, after the per-node `copies` (written side by side, appearing in order). */
+  private async writeFenceFile(id: string, f: FenceFile, copies: NewFile[] = []): Promise<void> {
+    await writeFilesAtomic([...copies, { file: this.layout.volumeFences(id), data: json(f) }]);
   }
 
   /**
@@ -124,7 +126,8 @@ export abstract class VolumeFences {
         out.set(node, unreadable(node));
       }
     }
-    return [...out.values()].sort((a, b) => a.node.localeCompare(b.node));
+    // Code-unit order (node ids are ASCII); localeCompare would map the ICU data into memory.
+    return [...out.values()].sort((a, b) => (a.node < b.node ? -1 : a.node > b.node ? 1 : 0));
   }
 
   async attachments(id: string): Promise<Attachment[]> {
@@ -180,12 +183,10 @@ export abstract class VolumeFences {
           const f = await this.fenceFileForUpdate(id);
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
-          await writeFileAtomic(this.layout.attachment(id, att.node), json(att));
-          await this.writeFenceFile(id, {
-            ...f,
-            attachments: { ...f.attachments, [att.node]: att },
-            detached: without(f.detached, new Set([att.node])),
-          });
+          const attachments = { ...f.attachments, [att.node]: att };
+          const detached = without(f.detached, new Set([att.node]));
+          const copy = { file: this.layout.attachment(id, att.node), data: json(att) };
+          await this.writeFenceFile(id, { ...f, attachments, detached }, [copy]);
         },
       });
       return 'created';
@@ -319,6 +320,7 @@ export abstract class VolumeFences {
         const seconds = Math.round(this.nodes.fenceMs / 1000);
         let revoked = letGo(f.revoked, silent, `seen silent for ${seconds} s by node ${lease.node}`);
         let leases = f.leases;
+        const copies: NewFile[] = [];
         if (rewrite) {
           const device = lease.device ?? mine?.device;
           const record: Lease = {
@@ -328,13 +330,13 @@ export abstract class VolumeFences {
           };
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
-          await writeFileAtomic(this.layout.lease(id, lease.node), json(record));
+          copies.push({ file: this.layout.lease(id, lease.node), data: json(record) });
           leases = { ...f.leases, [lease.node]: record };
           // This node's own revoked lease is replaced by the new one. Other nodes' stay (released ones
           // stop nobody) until those nodes unstage: they say which devices on their host are theirs.
           revoked = without(revoked, new Set([lease.node]));
         }
-        await this.writeFenceFile(id, { ...f, leases, revoked });
+        await this.writeFenceFile(id, { ...f, leases, revoked }, copies);
       }
       return mine;
     });

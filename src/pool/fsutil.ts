@@ -51,6 +51,37 @@ export async function writeFileAtomic(file: string, data: string, durable = true
   if (durable) await fsyncDir(path.dirname(file));
 }
 
+/** A file to write, and what it holds. */
+export interface NewFile {
+  file: string;
+  data: string;
+}
+
+/**
+ * Replaces several files atomically and durably, each as writeFileAtomic does, and makes them appear
+ * in the order given: the temp files are written and synced side by side (the slow part), then renamed
+ * one after the other, then their directories synced. A crash leaves each file old or new, and a later
+ * file new only if every earlier one is (a journal commits renames in order; a directory sync returns
+ * only once its renames are durable).
+ */
+export async function writeFilesAtomic(files: readonly NewFile[]): Promise<void> {
+  const written = await Promise.allSettled(files.map((f) => writeTemp(f.file, f.data, true)));
+  const temps = written.flatMap((w) => (w.status === 'fulfilled' ? [w.value] : []));
+  const failed = written.find((w): w is PromiseRejectedResult => w.status === 'rejected');
+  let renamed = 0;
+  try {
+    if (failed) throw failed.reason;
+    for (const [i, f] of files.entries()) {
+      await fs.rename(temps[i] as string, f.file);
+      renamed = i + 1;
+    }
+  } catch (err) {
+    await Promise.all(temps.slice(renamed).map((t) => fs.rm(t, { force: true })));
+    throw err;
+  }
+  await Promise.all([...new Set(files.map((f) => path.dirname(f.file)))].map(fsyncDir));
+}
+
 /**
  * Creates `file` with `data` only if it does not exist yet, atomically: the content is complete
  * before the name appears (link(2) fails with EEXIST instead of replacing). Returns false when the

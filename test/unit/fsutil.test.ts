@@ -1,0 +1,75 @@
+/**
+ * writeFilesAtomic: several records replaced side by side, appearing in the order given, with no temp
+ * file left behind whatever fails. On real files in a temporary directory.
+ */
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { writeFilesAtomic } from '../../src/pool/fsutil.js';
+
+let dir: string;
+beforeEach(async () => {
+  dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-fsutil-'));
+  await fs.mkdir(path.join(dir, 'a'));
+  await fs.mkdir(path.join(dir, 'b'));
+});
+afterEach(async () => {
+  vi.restoreAllMocks();
+  await fs.rm(dir, { recursive: true, force: true });
+});
+
+const everything = async (): Promise<string[]> =>
+  (await fs.readdir(dir, { recursive: true })).map(String).sort();
+
+describe('writeFilesAtomic', () => {
+  it('replaces every file, renaming them in the order given, and leaves no temp file', async () => {
+    const first = path.join(dir, 'a', 'copy.json');
+    const second = path.join(dir, 'b', 'fences.json');
+    await fs.writeFile(second, 'old\n');
+    const renames: string[] = [];
+    const rename = fs.rename.bind(fs);
+    vi.spyOn(fs, 'rename').mockImplementation(async (from, to) => {
+      renames.push(String(to));
+      return rename(from, to);
+    });
+    await writeFilesAtomic([
+      { file: first, data: '{"n":1}\n' },
+      { file: second, data: '{"n":2}\n' },
+    ]);
+    expect(renames).toEqual([first, second]);
+    expect(await fs.readFile(first, 'utf8')).toBe('{"n":1}\n');
+    expect(await fs.readFile(second, 'utf8')).toBe('{"n":2}\n');
+    expect(await everything()).toEqual(['a', 'a/copy.json', 'b', 'b/fences.json']);
+  });
+
+  it('renames nothing when one of the files cannot be written, and removes the temp files it wrote', async () => {
+    const first = path.join(dir, 'a', 'copy.json');
+    const second = path.join(dir, 'missing', 'fences.json');
+    await fs.writeFile(first, 'old\n');
+    await expect(
+      writeFilesAtomic([
+        { file: first, data: 'new\n' },
+        { file: second, data: 'new\n' },
+      ]),
+    ).rejects.toThrow(/ENOENT/);
+    expect(await fs.readFile(first, 'utf8')).toBe('old\n');
+    expect(await everything()).toEqual(['a', 'a/copy.json', 'b']);
+  });
+
+  it('leaves a later file old when an earlier one could not be renamed, and no temp file', async () => {
+    const first = path.join(dir, 'a', 'copy.json');
+    const second = path.join(dir, 'b', 'fences.json');
+    await fs.mkdir(first); // a directory where the first file goes: its rename fails
+    await fs.writeFile(path.join(first, 'x'), '');
+    await fs.writeFile(second, 'old\n');
+    await expect(
+      writeFilesAtomic([
+        { file: first, data: 'new\n' },
+        { file: second, data: 'new\n' },
+      ]),
+    ).rejects.toThrow();
+    expect(await fs.readFile(second, 'utf8')).toBe('old\n');
+    expect(await everything()).toEqual(['a', 'a/copy.json', 'a/copy.json/x', 'b', 'b/fences.json']);
+  });
+});
