@@ -305,6 +305,45 @@ export class Cluster {
     return Number(/VmRSS:\s+(\d+) kB/.exec(status)?.[1] ?? 'NaN') * 1024;
   }
 
+  /**
+   * The floor under the driver's idle RSS on the image's own Node.js: bench/bare-server.mjs (grpc-js on
+   * the same proto, constant answers) in a container of this image with the entrypoint's Node flags.
+   * Bytes, read once it has listened and sat idle as long as the driver did.
+   */
+  async bareServerRss(idleMs: number): Promise<number> {
+    const name = `loopvol-bare-${this.state.runId}`;
+    await docker([
+      'run',
+      '--detach',
+      '--name',
+      name,
+      '--label',
+      `${LABEL}=${this.state.runId}`,
+      '--network',
+      'none',
+      '--mount',
+      `type=bind,source=${path.join(REPO, 'bench', 'bare-server.mjs')},target=/opt/loopvol/bench/bare-server.mjs,readonly`,
+      '--entrypoint',
+      'node',
+      this.state.image,
+      '--max-semi-space-size=1',
+      '/opt/loopvol/bench/bare-server.mjs',
+      'unix:///tmp/bare.sock',
+    ]);
+    try {
+      const deadline = Date.now() + 30_000;
+      while (!(await this.logs(name)).includes('ready')) {
+        if (Date.now() > deadline)
+          throw new Error(`the bare server never listened: ${await this.logs(name)}`);
+        await new Promise((r) => setTimeout(r, 200));
+      }
+      await new Promise((r) => setTimeout(r, idleMs));
+      return await this.rss(name);
+    } finally {
+      await docker(['rm', '--force', name]);
+    }
+  }
+
   async logs(name: string): Promise<string> {
     try {
       const { stdout, stderr } = await run(DOCKER, ['logs', name], { maxBuffer: 256 << 20 });

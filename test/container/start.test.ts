@@ -121,6 +121,11 @@ describe.skipIf(!top || !image)('the image, started as the manifests start it', 
     for (const m of cluster.members) {
       await report(`${m.role}: driver RSS idle (MiB)`, +((await cluster.rss(m.name)) / 2 ** 20).toFixed(1));
     }
+    // What the image's Node.js holds for grpc-js alone: the driver's idle RSS is read against this.
+    await report(
+      "floor: bare grpc-js server on the image's Node.js, RSS idle (MiB)",
+      +((await cluster.bareServerRss(5000)) / 2 ** 20).toFixed(1),
+    );
     const endpoints = cluster.members.map((m) => `${m.role}=unix://${m.socket}`).join(',');
     const out = process.env.LOOPVOL_CONTAINER_OUT ?? top;
     await fs.mkdir(out, { recursive: true });
