@@ -85,10 +85,10 @@ async function serve(
   runner: Runner,
   inflight: InFlight,
 ): Promise<Serving> {
-  const capacity = new Capacity(pool.layout, config.overcommitRatio);
+  const capacity = Capacity.of(pool, config.overcommitRatio);
   const nodes = new NodeRegistry(pool.layout, config.nodeFenceMs);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log);
+  const snapshots = new SnapshotStore(pool, log, capacity);
   const board = new QuiesceBoard(pool);
   const startup = startupContext(log, runner);
   const out: Serving = {
@@ -214,7 +214,7 @@ export async function startDriver(
   const capacityProbe = servesController(config)
     ? () =>
         serving
-          ? new Capacity(serving.pool.layout, config.overcommitRatio).report()
+          ? Capacity.of(serving.pool, config.overcommitRatio).report()
           : Promise.resolve({ totalBytes: 0, availableBytes: 0, freeBytes: 0 })
     : undefined;
   const metrics = config.metricsAddress

@@ -55,7 +55,7 @@ export async function status(argv: string[]): Promise<number> {
     const pool = await openPool(values['pool-dir'], log);
     const x = cliExec(log);
     const inv = await readInventory(pool, log, { staleSeconds: 60 });
-    const capacity = await new Capacity(pool.layout, Math.max(1, ratio)).report();
+    const capacity = await Capacity.of(pool, Math.max(1, ratio)).report();
     const reflink = await pool.fs.canReflink().catch(() => undefined);
     const hostView = await lookAtPoolOnHost(pool, kernelHost, x);
     const fsEntry = filesystemOf(hostView.mounts, pool.root);

@@ -9,14 +9,21 @@
  * takes S from free at once and promises nothing) while S <= free - promised / R. GetCapacity reports
  * the first for sparse requests and the second for allocation=preallocate.
  *
- * Summing over every image is O(volumes), so the sum is cached for a few seconds and this process's
- * own creates, deletes and expansions adjust it in between; the free space is read fresh each time.
+ * Snapshots: a byte copy takes its blocks at once (admitted like a preallocated volume; statfs shows
+ * them after). A reflink takes none, but every block it shares may have to be copied when its source
+ * is rewritten: on a pool that reflinks, a snapshot promises its allocated bytes for as long as it
+ * lives (counted in full even once its source has moved on: never more than the pool can honour).
+ *
+ * Summing over every image is O(volumes + snapshots), so the sum is cached for a few seconds and this
+ * process's own creates, deletes and expansions adjust it in between; the free space is read fresh
+ * each time.
  */
 import fs from 'node:fs/promises';
 import { noSpace } from '../errors.js';
 import { listDir } from './fsutil.js';
-import { isVolumeId } from './ids.js';
+import { isSnapshotId, isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
+import type { Pool } from './pool.js';
 
 const SCAN_TTL_MS = 5_000;
 const SCAN_BATCH = 128;
@@ -42,20 +49,39 @@ export class Capacity {
   private pendingPromise = 0;
   private pendingBlocks = 0;
 
+  /**
+   * `sharesBlocks` says whether the pool's copies share blocks with their source (it reflinks); without
+   * it, as for a pool that does not, snapshots promise nothing.
+   */
   constructor(
     private readonly layout: PoolLayout,
     private readonly ratio: number,
+    private readonly sharesBlocks: () => Promise<boolean> = () => Promise.resolve(false),
   ) {}
+
+  /** The capacity of `pool`, which knows whether its copies share blocks. */
+  static of(pool: Pool, ratio: number): Capacity {
+    return new Capacity(pool.layout, ratio, () => pool.fs.canReflink());
+  }
+
+  /** Whether snapshots share their blocks; when the pool cannot tell, they count as sharing. */
+  private shares(): Promise<boolean> {
+    return this.sharesBlocks().catch(() => true);
+  }
 
   private async scanPromises(): Promise<{ promised: number; startedAt: number }> {
     const startedAt = Date.now();
-    const ids = (await listDir(this.layout.volumesDir)).filter(isVolumeId);
-    let promised = 0;
-    for (let i = 0; i < ids.length; i += SCAN_BATCH) {
-      const stats = await Promise.all(
-        ids.slice(i, i + SCAN_BATCH).map((id) => fs.stat(this.layout.volumeImage(id)).catch(() => undefined)),
+    const volumes = (await listDir(this.layout.volumesDir)).filter(isVolumeId);
+    let promised = await sumOver(volumes, this.layout.volumeImage.bind(this.layout), (size, allocated) =>
+      Math.max(0, size - allocated),
+    );
+    if (await this.shares()) {
+      const snapshots = (await listDir(this.layout.snapshotsDir)).filter(isSnapshotId);
+      promised += await sumOver(
+        snapshots,
+        this.layout.snapshotImage.bind(this.layout),
+        (_, allocated) => allocated,
       );
-      for (const st of stats) if (st) promised += Math.max(0, st.size - st.blocks * 512);
     }
     return { promised, startedAt };
   }
@@ -127,10 +153,48 @@ export class Capacity {
     };
   }
 
+  /**
+   * Reserves room for a snapshot of an image with `allocatedBytes` allocated, or throws
+   * RESOURCE_EXHAUSTED: blocks taken now where it is a byte copy, a promise where it is a reflink. The
+   * returned function settles it with the finished snapshot image's allocated bytes, or undefined when
+   * it was not made.
+   */
+  async reserveSnapshot(
+    allocatedBytes: number,
+    what: string,
+  ): Promise<(allocatedAfter: number | undefined) => void> {
+    const shares = await this.shares();
+    const settle = await this.reserve(allocatedBytes, shares ? 'sparse' : 'preallocate', what);
+    return (allocatedAfter) => {
+      settle(shares ? allocatedAfter : undefined);
+    };
+  }
+
+  /** A snapshot image with `allocatedBytes` allocated went away. */
+  async snapshotGone(allocatedBytes: number): Promise<void> {
+    if (await this.shares()) this.adjust(-allocatedBytes);
+  }
+
   /** Records a change in promised bytes made by this process (negative when a volume goes away). */
   adjust(bytes: number): void {
     this.adjustments.push({ at: Date.now(), bytes });
   }
+}
+
+/** The sum of `count(size, allocated)` over the images of `ids` (those that exist), read in batches. */
+async function sumOver(
+  ids: readonly string[],
+  image: (id: string) => string,
+  count: (size: number, allocated: number) => number,
+): Promise<number> {
+  let sum = 0;
+  for (let i = 0; i < ids.length; i += SCAN_BATCH) {
+    const stats = await Promise.all(
+      ids.slice(i, i + SCAN_BATCH).map((id) => fs.stat(image(id)).catch(() => undefined)),
+    );
+    for (const st of stats) if (st) sum += count(st.size, st.blocks * 512);
+  }
+  return sum;
 }
 
 /** `n` bytes in the largest binary unit that keeps the number at 1 or more: { value: 1.5, unit: 'GiB' }. */

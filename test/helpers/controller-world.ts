@@ -61,14 +61,18 @@ export const writerLease = (node: string, accessType: 'mount' | 'block' = 'mount
   since: new Date().toISOString(),
 });
 
-export async function controllerWorld() {
-  const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-controller-'));
+/**
+ * A controller on a new pool in a temporary directory under `under` (default: the system's), which
+ * promises up to `overcommitRatio` times its free space (default 100: tests that do not look at space).
+ */
+export async function controllerWorld({ under = os.tmpdir(), overcommitRatio = 100 } = {}) {
+  const dir = await fs.mkdtemp(path.join(under, 'loopvol-controller-'));
   dirs.push(dir);
   const pool = await Pool.open(dir, 'test', log);
   const nodes = new NodeRegistry(pool.layout);
-  const capacity = new Capacity(pool.layout, 100);
+  const capacity = Capacity.of(pool, overcommitRatio);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log);
+  const snapshots = new SnapshotStore(pool, log, capacity);
   const d: ControllerDeps = {
     config: { poolName: 'test', defaultVolumeSize: 64 * MiB },
     pool,

@@ -67,14 +67,7 @@ describe.skipIf(!isRoot())('preallocated volumes on a reflink pool', () => {
   beforeAll(async () => {
     base = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-test-prealloc-reflink-'));
     scratch = await scratchFilesystem(base, 'xfs', 1024);
-    const saved = process.env.TMPDIR;
-    process.env.TMPDIR = scratch.mountPoint; // the controller world's pool lives on the XFS
-    try {
-      w = await controllerWorld();
-    } finally {
-      if (saved === undefined) delete process.env.TMPDIR;
-      else process.env.TMPDIR = saved;
-    }
+    w = await controllerWorld({ under: scratch.mountPoint }); // the controller world's pool lives on the XFS
     expect(w.dir.startsWith(scratch.mountPoint)).toBe(true);
   });
 
