@@ -14,7 +14,7 @@
  * Every source of a group is frozen before the first clone and thawed after the last.
  */
 import { conflict, missing } from '../errors.js';
-import { detached } from '../exec/runner.js';
+import { CommandError, detached } from '../exec/runner.js';
 import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
 import type { HeldLock } from '../pool/lock.js';
 import type { Pool } from '../pool/pool.js';
@@ -158,11 +158,22 @@ async function copyHeld<T>(
         const left = asked + ttlMs - FREEZE_SLACK_MS - performance.now();
         if (frozen && left <= 0)
           throw conflict(`The freeze of volume ${volumeId} ran out before its copy began; retry.`);
+        const started = performance.now();
         const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
           allowCopy,
           signal,
           purpose: ctx.method === 'CreateVolume' ? 'clone' : 'snapshot',
           ...(frozen ? { timeoutMs: left } : {}),
+        }).catch(async (err: unknown) => {
+          if (!(frozen && err instanceof CommandError && err.reason === 'timeout')) throw err;
+          // The pool copies slower than it was judged to: remembered, so that the next attempt is
+          // refused before anything is frozen (a retry would otherwise freeze the workload again).
+          const bytes = await allocatedBytes(d.volumes.imagePath(volumeId)).catch(() => 0);
+          d.pool.fs.recordUnfinishedCopy(bytes, (performance.now() - started) / 1000);
+          throw conflict(
+            `Copying volume ${volumeId} (${formatMiB(bytes)}) did not finish within its ${Math.round(d.freezeBudgetMs / 1000)} s freeze budget, so it was stopped and the volume thawed. Stop the workload (scale it to zero) and retry, or use a pool on xfs or btrfs.`,
+            err,
+          );
         });
         if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
         ctx.log.info(

@@ -100,6 +100,15 @@ export class PoolFilesystem {
     this.copyRate = Math.round(this.copyRate * 0.5 + rate * 0.5);
   }
 
+  /**
+   * A sparse copy of `bytes` was stopped unfinished after `seconds`: the pool copies slower than that,
+   * whatever earlier copies showed. The estimate for as many bytes becomes longer than `seconds`.
+   */
+  recordUnfinishedCopy(bytes: number, seconds: number): void {
+    if (bytes <= 0 || seconds <= 0) return;
+    this.copyRate = Math.max(1, Math.min(this.copyRate, Math.floor((bytes / seconds) * 0.9)));
+  }
+
   /** Seconds a sparse copy of `bytes` is expected to take. */
   copySeconds(bytes: number): number {
     return bytes / this.copyRate;

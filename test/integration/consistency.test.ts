@@ -196,6 +196,54 @@ describe.skipIf(!isRoot()).each([
     },
   );
 
+  it.skipIf(reflink)(
+    'a frozen copy that outlasts the budget is stopped with FAILED_PRECONDITION, and the retry is refused before freezing',
+    async () => {
+      // A pool that copies far slower than any copy seen so far: its cp never finishes.
+      const slow = path.join(base, 'slow-bin');
+      await fs.mkdir(slow, { recursive: true });
+      await fs.writeFile(path.join(slow, 'cp'), '#!/bin/sh\nexec sleep 60\n', { mode: 0o755 });
+      const c = await env.driver({
+        dir: base,
+        mode: 'controller',
+        poolDir: ctl.poolDir,
+        socket: path.join(base, 'slow.sock'),
+        extra: ['--freeze-budget=2'],
+        env: { PATH: `${slow}:${process.env.PATH ?? ''}` },
+      });
+      const froze = (): number =>
+        node.logs().filter((l) => l.includes('froze a filesystem for a copy')).length;
+      const snapshotsBefore = await fs.readdir(path.join(ctl.poolDir, 'snapshots'));
+      const w = startWriter(node.proc.pid ?? 0, path.join(target, 'log-slow'));
+      try {
+        await until(() => w.written() >= 50);
+        const frozeBefore = froze();
+        const first = await errorOf(
+          c.clients.controller.CreateSnapshot({ name: `snap-slow-${RUN}`, source_volume_id: id }),
+        );
+        expect(first.code).toBe('FAILED_PRECONDITION'); // not DEADLINE_EXCEEDED: nothing is still running
+        expect(first.details).toMatch(/did not finish within its 2 s freeze budget/);
+        await until(() => froze() === frozeBefore + 1, 5_000);
+        // The writer goes on once the copy is stopped.
+        const at = w.written();
+        await until(() => w.written() >= at + 20);
+
+        const second = await errorOf(
+          c.clients.controller.CreateSnapshot({ name: `snap-slow-${RUN}`, source_volume_id: id }),
+        );
+        expect(second.code).toBe('FAILED_PRECONDITION');
+        expect(second.details).toMatch(/more than the 2 s freeze budget/);
+        await new Promise((r) => setTimeout(r, 500)); // the node's log is written asynchronously
+        expect(froze()).toBe(frozeBefore + 1); // refused before asking the node to freeze again
+        expect(await fs.readdir(path.join(ctl.poolDir, 'snapshots'))).toEqual(snapshotsBefore);
+      } finally {
+        w.proc.kill('SIGTERM');
+        await c.stop();
+      }
+    },
+    60_000,
+  );
+
   it('tears down after', async () => {
     await node.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
     await node.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
