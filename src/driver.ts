@@ -33,6 +33,7 @@ import type { NodeDeps } from './node/on-host.js';
 import { FenceGuard, thawLeftovers } from './node/fence.js';
 import { QuiesceAgent } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
+import { startDiscarding } from './pool/leftovers.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool, PoolMissing } from './pool/pool.js';
 import { QuiesceBoard } from './pool/quiesce.js';
@@ -75,6 +76,8 @@ interface Serving {
   metadata: StreamMethods<SnapshotMetadataHandlers>;
   agent: QuiesceAgent | undefined;
   guard: FenceGuard | undefined;
+  /** The controller's clearing of unfinished creations (pool/leftovers.ts). */
+  discarding?: { stop: () => void };
 }
 
 /** Builds the stores and services over an open pool; a node plugin also registers and starts answering freezes. */
@@ -135,6 +138,7 @@ async function serve(
         log.error({ err }, 'could not check the node index against the attachments');
       },
     );
+    out.discarding = startDiscarding(pool, { volumes, snapshots }, log);
     out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
     out.group = groupService({ ...copy, snapshots });
     out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });
@@ -362,6 +366,7 @@ export async function startDriver(
     async stop() {
       stopped = true;
       reporter?.stop();
+      serving?.discarding?.stop();
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
