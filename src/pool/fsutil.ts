@@ -60,9 +60,8 @@ export interface NewFile {
 /**
  * Replaces several files atomically and durably, each as writeFileAtomic does, and makes them appear
  * in the order given: the temp files are written and synced side by side (the slow part), then renamed
- * one after the other, then their directories synced. A crash leaves each file old or new, and a later
- * file new only if every earlier one is (a journal commits renames in order; a directory sync returns
- * only once its renames are durable).
+ * one after the other, then their directories synced one after the other. A crash leaves each file old
+ * or new, and a later file new only if every earlier one is.
  */
 export async function writeFilesAtomic(files: readonly NewFile[]): Promise<void> {
   const written = await Promise.allSettled(files.map((f) => writeTemp(f.file, f.data, true)));
@@ -79,7 +78,9 @@ export async function writeFilesAtomic(files: readonly NewFile[]): Promise<void>
     await Promise.all(temps.slice(renamed).map((t) => fs.rm(t, { force: true })));
     throw err;
   }
-  await Promise.all([...new Set(files.map((f) => path.dirname(f.file)))].map(fsyncDir));
+  // In order too: a filesystem that logs each directory's sync on its own (btrfs) keeps a later rename
+  // only once the earlier ones are kept.
+  for (const dir of new Set(files.map((f) => path.dirname(f.file)))) await fsyncDir(dir);
 }
 
 /**
