@@ -70,7 +70,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           subject: r.dir,
           volumeId: r.id,
           detail: `a directory of ${r.what} ${r.id} with neither a record nor an image: a creation interrupted before its record was written`,
-          action: `A retry of the create (the CO retries), a ${r.verb}, or the controller (at start and every 5 minutes) removes it; or remove ${r.dir}.`,
+          action: `A retry of the create (the CO retries) or a ${r.verb} removes it; or remove ${r.dir}.`,
         });
       }
     } else if (r.record.value.state === 'creating') {
@@ -80,7 +80,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           subject: r.dir,
           volumeId: r.id,
           detail: `${r.what} ${r.id} (${r.record.value.name}) was never finished (its record says "creating")${r.partial ? ', with a partial image' : ''}`,
-          action: `Nothing was ever returned for it: a retry of the create (the CO retries), a ${r.verb}, or the controller (at start and every 5 minutes) discards it.`,
+          action: `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
         });
       }
     } else if (!r.image) {

@@ -1,13 +1,13 @@
 /**
  * What crashed creations left is cleared by the controller (pool/leftovers.ts): a "creating" volume or
- * snapshot, or a directory holding nothing but a partial image and temp files, whose lock nobody holds.
- * What may stand for data, or is someone's at work, stays: a damaged record, a directory with other
- * files, a group snapshot's member, a creation whose lock is held. On a real pool.
+ * snapshot that two looks saw unchanged, whose lock nobody holds. What may stand for data, or is
+ * someone's at work, stays: a damaged record, a directory without a record (an operator copying a
+ * volume back), a group snapshot's member, a creation whose lock is held or that changed. On a real pool.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { discardUnfinished } from '../../src/pool/leftovers.js';
+import { LeftoverSweeper } from '../../src/pool/leftovers.js';
 import { log } from '../helpers/node-world.js';
 import {
   type ControllerWorld,
@@ -38,63 +38,72 @@ const present = async (dir: string): Promise<boolean> =>
 async function leftovers(w: ControllerWorld) {
   const l = w.pool.layout;
   const volume = async (name: string): Promise<string> => volumeIdOf(await w.CreateVolume(name));
-  const [creating, ready, damaged, held, onlyTemp, withFences] = await Promise.all(
-    ['creating', 'ready', 'damaged', 'held', 'only-temp', 'with-fences'].map(volume),
+  const ids = await Promise.all(
+    ['creating', 'ready', 'damaged', 'held', 'restoring', 'changing'].map(volume),
   );
-  const src = ready ?? '';
+  const [creating, ready, damaged, held, restoring, changing] = ids as [
+    string,
+    string,
+    string,
+    string,
+    string,
+    string,
+  ];
   const snap = async (name: string): Promise<string> =>
-    (await w.CreateSnapshot(name, src)).snapshot?.snapshot_id ?? '';
+    (await w.CreateSnapshot(name, ready)).snapshot?.snapshot_id ?? '';
   const snapCreating = await snap('snap-creating');
   const member = await snap('snap-member');
 
-  await edit(l.volumeMeta(creating ?? ''), { state: 'creating' });
-  await fs.rename(l.volumeImage(creating ?? ''), l.volumeImageTemp(creating ?? ''));
-  await fs.writeFile(l.volumeMeta(damaged ?? ''), '{"torn');
-  await edit(l.volumeMeta(held ?? ''), { state: 'creating' });
-  for (const id of [onlyTemp, withFences]) {
-    await fs.rm(l.volumeMeta(id ?? ''));
-    await fs.rm(l.volumeImage(id ?? ''));
+  for (const id of [creating, held, changing]) {
+    await edit(l.volumeMeta(id), { state: 'creating' });
+    await fs.rename(l.volumeImage(id), l.volumeImageTemp(id));
   }
-  await fs.writeFile(path.join(l.volumeDir(onlyTemp ?? ''), '.meta.json.tmp-0123456789ab'), '{');
-  await fs.writeFile(path.join(l.volumeDir(withFences ?? ''), 'fences.json'), '{}');
+  await fs.writeFile(l.volumeMeta(damaged), '{"torn');
+  // An operator copying a volume back (rsync: the image into a dot file first, the record last).
+  await fs.rm(l.volumeMeta(restoring));
+  await fs.rename(l.volumeImage(restoring), path.join(l.volumeDir(restoring), '.disk.img.Xy12Ab'));
   await edit(l.snapshotMeta(snapCreating), { state: 'creating' });
   await edit(l.snapshotMeta(member), { state: 'creating', groupSnapshotId: 'group-of-another-call' });
   return {
-    gone: [l.volumeDir(creating ?? ''), l.volumeDir(onlyTemp ?? ''), l.snapshotDir(snapCreating)],
-    kept: [
-      l.volumeDir(ready ?? ''),
-      l.volumeDir(damaged ?? ''),
-      l.volumeDir(held ?? ''),
-      l.volumeDir(withFences ?? ''),
-      l.snapshotDir(member),
-    ],
-    held: held ?? '',
+    gone: [l.volumeDir(creating), l.snapshotDir(snapCreating)],
+    kept: [l.volumeDir(ready), l.volumeDir(damaged), l.volumeDir(restoring), l.snapshotDir(member)],
+    held,
+    changing,
   };
 }
 
 describe('unfinished creations a crash left', () => {
-  it('are discarded when nobody holds them; what may hold data, or is at work, stays', async () => {
+  it('are discarded when two looks saw them unchanged and nobody holds them; what may hold data, or is at work, stays', async () => {
     const w = await controllerWorld();
-    const { gone, kept, held } = await leftovers(w);
-    const discarded = await w.pool.withLock(held, 'a create at work', () =>
-      discardUnfinished(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log),
-    );
-    expect(discarded.sort()).toEqual([...gone].sort());
+    const { gone, kept, held, changing } = await leftovers(w);
+    const l = w.pool.layout;
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    // The first look only notes them.
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 4 });
+    for (const d of [...gone, ...kept]) expect(await present(d)).toBe(true);
+
+    // One is written meanwhile (someone is at work on it), one is held.
+    await fs.appendFile(l.volumeImageTemp(changing), Buffer.alloc(4096, 1));
+    const second = await w.pool.withLock(held, 'a create at work', () => sweeper.look());
+    expect(second.discarded.sort()).toEqual([...gone].sort());
     for (const d of gone) expect(await present(d)).toBe(false);
+    for (const d of [...kept, l.volumeDir(held), l.volumeDir(changing)]) expect(await present(d)).toBe(true);
+
+    // Unchanged and free at the next look: they go too.
+    expect((await sweeper.look()).discarded.sort()).toEqual(
+      [l.volumeDir(held), l.volumeDir(changing)].sort(),
+    );
     for (const d of kept) expect(await present(d)).toBe(true);
-    // Once its lock is free, the held one goes too.
-    expect(await discardUnfinished(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log)).toEqual([
-      w.pool.layout.volumeDir(held),
-    ]);
   });
 
-  it('are discarded by a controller when it starts', async () => {
+  it('are looked for by a controller when it starts', async () => {
     const w = await controllerWorld();
-    const { gone } = await leftovers(w);
+    await leftovers(w);
     const base = await env.dir('leftovers');
     const d = await env.driver({ dir: base, mode: 'controller', poolDir: w.dir });
-    expect(await d.waitForLog((l) => l.includes('discarded unfinished creations crashes left'))).toBe(true);
-    for (const dir of gone) expect(await present(dir)).toBe(false);
+    expect(
+      await d.waitForLog((l) => l.includes('unfinished creations seen') && l.includes('"count":4')),
+    ).toBe(true);
     await d.stop();
   });
 });
