@@ -130,7 +130,8 @@ async function copyHeld<T>(
         `Volume ${w?.volumeId ?? ids[0] ?? ''} is in use on node ${w?.lease.node ?? '?'} and this pool cannot reflink: copying its ${formatMiB(bytes)} would keep it frozen about ${Math.ceil(seconds)} s, more than the ${Math.round(d.freezeBudgetMs / 1000)} s freeze budget. Stop the workload (scale it to zero) and retry, or use a pool on xfs or btrfs.`,
       );
     }
-    ttlMs = Math.max(d.freezeBudgetMs, seconds * 2000) + FREEZE_SLACK_MS;
+    // Never frozen longer than the budget: a copy that has not finished by then is stopped.
+    ttlMs = d.freezeBudgetMs + FREEZE_SLACK_MS;
   }
 
   const asked = performance.now();
@@ -158,7 +159,6 @@ async function copyHeld<T>(
         const left = asked + ttlMs - FREEZE_SLACK_MS - performance.now();
         if (frozen && left <= 0)
           throw conflict(`The freeze of volume ${volumeId} ran out before its copy began; retry.`);
-        const started = performance.now();
         const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
           allowCopy,
           signal,
@@ -169,7 +169,7 @@ async function copyHeld<T>(
           // The pool copies slower than it was judged to: remembered, so that the next attempt is
           // refused before anything is frozen (a retry would otherwise freeze the workload again).
           const bytes = await allocatedBytes(d.volumes.imagePath(volumeId)).catch(() => 0);
-          d.pool.fs.recordUnfinishedCopy(bytes, (performance.now() - started) / 1000);
+          d.pool.fs.recordUnfinishedCopy(bytes, d.freezeBudgetMs / 1000);
           throw conflict(
             `Copying volume ${volumeId} (${formatMiB(bytes)}) did not finish within its ${Math.round(d.freezeBudgetMs / 1000)} s freeze budget, so it was stopped and the volume thawed. Stop the workload (scale it to zero) and retry, or use a pool on xfs or btrfs.`,
             err,

@@ -13,12 +13,16 @@ import type { PoolLayout } from './layout.js';
 /** A cautious guess at sparse-copy speed until this process has measured one (100 MiB/s). */
 const INITIAL_COPY_RATE = 100 * 2 ** 20;
 const MIB = 2 ** 20;
+/** How long an unfinished frozen copy keeps the estimate low (recordUnfinishedCopy). */
+export const SLOW_COPY_MEMORY_MS = 15 * 60_000;
 
 export class PoolFilesystem {
   private reflink: Promise<boolean> | undefined;
   private largest: Promise<number> | undefined;
   /** Bytes per second of recent sparse copies in this pool (an estimate for the freeze budget). */
   private copyRate = INITIAL_COPY_RATE;
+  /** The speed a recent unfinished copy allows at most, and until when it is remembered. */
+  private slow: { rate: number; until: number } | undefined;
 
   constructor(private readonly layout: PoolLayout) {}
 
@@ -101,16 +105,22 @@ export class PoolFilesystem {
   }
 
   /**
-   * A sparse copy of `bytes` was stopped unfinished after `seconds`: the pool copies slower than that,
-   * whatever earlier copies showed. The estimate for as many bytes becomes longer than `seconds`.
+   * A frozen copy of `bytes` was stopped unfinished at the end of a `budgetSeconds` freeze budget. For
+   * the next SLOW_COPY_MEMORY_MS, copies are judged at half the speed that would have fit that budget,
+   * so the next attempt at as many bytes is refused before freezing anything (a retry would otherwise
+   * freeze the workload again); after that, what finished copies showed counts again.
    */
-  recordUnfinishedCopy(bytes: number, seconds: number): void {
-    if (bytes <= 0 || seconds <= 0) return;
-    this.copyRate = Math.max(1, Math.min(this.copyRate, Math.floor((bytes / seconds) * 0.9)));
+  recordUnfinishedCopy(bytes: number, budgetSeconds: number): void {
+    if (bytes <= 0 || budgetSeconds <= 0) return;
+    this.slow = {
+      rate: Math.max(1, Math.floor(bytes / (2 * budgetSeconds))),
+      until: Date.now() + SLOW_COPY_MEMORY_MS,
+    };
   }
 
   /** Seconds a sparse copy of `bytes` is expected to take. */
   copySeconds(bytes: number): number {
-    return bytes / this.copyRate;
+    const slow = this.slow && Date.now() < this.slow.until ? this.slow.rate : Number.POSITIVE_INFINITY;
+    return bytes / Math.min(this.copyRate, slow);
   }
 }
