@@ -176,6 +176,11 @@ async function copyHeld<T>(
           );
         });
         if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
+        // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
+        if (result.method === 'reflink') {
+          const shared = await allocatedBytes(dst).catch(() => 0);
+          await d.volumes.markShared(volumeId, shared);
+        }
         ctx.log.info(
           { source: volumeId, how: result.method, bytes: result.bytes, frozen },
           'copied volume image',

@@ -7,7 +7,14 @@ import { alreadyExists, busy, invalidArgument, notFound, outOfRange, resourceExh
 import type { VolumeContentSource__Output } from '../gen/csi/v1/VolumeContentSource.js';
 import { formatBytes } from '../pool/capacity.js';
 import { isSnapshotId, isVolumeId, volumeIdForName } from '../pool/ids.js';
-import { copyImage, createSparseImage, growImage, ownBlocks, preallocate } from '../pool/images.js';
+import {
+  allocatedBytes,
+  copyImage,
+  createSparseImage,
+  growImage,
+  ownBlocks,
+  preallocate,
+} from '../pool/images.js';
 import type { Exec } from '../exec/runner.js';
 import { probeDevice } from '../host/filesystem.js';
 import {
@@ -259,6 +266,14 @@ export function createVolumeMethod(
           });
         } else if (v.source?.kind === 'volume') {
           const id = v.source.id;
+          // A reflink makes the source's blocks shared too: admitted before it is made (capacity.ts).
+          const settleSource = await d.capacity.reserveCopyOf(
+            id,
+            `clone ${JSON.stringify(v.name)} of volume ${id}`,
+            {
+              byteCopyTakesBlocks: false,
+            },
+          );
           await withConsistentSources(ctx, d, [id], async (plan) => {
             // A first NodeStageVolume (or an expansion) while this waited for the lock changes what the
             // copy holds: the size, filesystem and "initialized" chosen above would no longer fit it.
@@ -274,16 +289,18 @@ export function createVolumeMethod(
               );
             }
             copied.shared = (await plan.copy(id, image)).method === 'reflink';
-          });
+          }).finally(settleSource);
         } else {
           await createSparseImage(image, size);
         }
         // A preallocated volume owns its blocks: a reflinked copy's are shared with its source until
         // written, so they are made its own (outside the source's lock and freeze) before the rest is reserved.
         if (preallocated && copied.shared) await ownBlocks(ctx, image);
+        // A sparse one keeps sharing them: each may need a block of its own when it is rewritten.
+        const sharedBytes = copied.shared && !preallocated ? await allocatedBytes(image) : undefined;
         await growImage(ctx, image, size, false);
         if (preallocated) await preallocate(ctx, image, 0, size);
-        return { initialized: sourceInitialized };
+        return { initialized: sourceInitialized, ...(sharedBytes ? { sharedBytes } : {}) };
       };
       const { volume, created } = await volumes.create(meta, fill);
       if (!created) {

@@ -9,23 +9,36 @@
  * takes S from free at once and promises nothing) while S <= free - promised / R. GetCapacity reports
  * the first for sparse requests and the second for allocation=preallocate.
  *
- * Snapshots: a byte copy takes its blocks at once (admitted like a preallocated volume; statfs shows
- * them after). A reflink takes none, but every block it shares may have to be copied when its source
- * is rewritten: on a pool that reflinks, a snapshot promises its allocated bytes for as long as it
- * lives (counted in full even once its source has moved on: never more than the pool can honour).
+ * Copies: a byte copy (a snapshot on a pool that cannot reflink) takes its blocks at once, so it is
+ * admitted like a preallocated volume of the source's allocated bytes; statfs shows them after. A
+ * reflink takes none, but a volume's block that another image shares must be copied when the volume
+ * rewrites it (snapshots never write). So on a pool that reflinks, each volume also promises its shared
+ * blocks: `volumes/<id>/shared.json` records how many at most (its allocated bytes when it was last
+ * copied, or made as a copy), and a snapshot or clone is admitted for what it adds to that. The record
+ * only grows: blocks that stop being shared (rewritten, or their snapshot deleted) stay counted, never
+ * more than the pool can honour.
  *
- * Summing over every image is O(volumes + snapshots), so the sum is cached for a few seconds and this
+ * Summing over every image is O(volumes), so the sum is cached for a few seconds and this
  * process's own creates, deletes and expansions adjust it in between; the free space is read fresh
  * each time.
  */
 import fs from 'node:fs/promises';
 import { noSpace } from '../errors.js';
-import { listDir } from './fsutil.js';
-import { isSnapshotId, isVolumeId } from './ids.js';
+import { mapLimit } from '../limit.js';
+import { listDir, readRecord, writeFileAtomic } from './fsutil.js';
+import { isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
 import type { Pool } from './pool.js';
 
-const SCAN_TTL_MS = 5_000;
+export const SCAN_TTL_MS = 5_000;
+/** How long a volume's shared.json is trusted before it is read again (another controller may change it). */
+const SHARED_TTL_MS = 60_000;
+
+/** A shared.json record: its byte count. */
+const parseShared = (v: unknown): number | undefined =>
+  typeof v === 'object' && v !== null && typeof (v as { bytes?: unknown }).bytes === 'number'
+    ? (v as { bytes: number }).bytes
+    : undefined;
 const SCAN_BATCH = 128;
 
 export interface CapacityReport {
@@ -40,14 +53,26 @@ export interface CapacityReport {
 
 export type Reservation = 'sparse' | 'preallocate';
 
+/** A cached sum of promises; `terms`: each volume's share of it when it was read. */
+interface Scan {
+  promised: number;
+  startedAt: number;
+  terms: Map<string, number>;
+}
+
+/** What a volume's image still promises: its unwritten size. */
+const volumePromise = (size: number, allocated: number): number => Math.max(0, size - allocated);
+
 export class Capacity {
-  private scan: { promised: number; startedAt: number } | undefined;
-  private scanning: Promise<{ promised: number; startedAt: number }> | undefined;
+  private scan: Scan | undefined;
+  private scanning: Promise<Scan> | undefined;
   /** Changes this process made, with when, so a scan that predates them does not lose them. */
-  private adjustments: { at: number; bytes: number }[] = [];
+  private adjustments: { at: number; bytes: number; id: string | undefined }[] = [];
   /** Reservations for volumes being made: promises (sparse) and blocks about to be taken (preallocated). */
   private pendingPromise = 0;
   private pendingBlocks = 0;
+  /** Volumes' shared bytes as last read from their records, with when. */
+  private readonly shared = new Map<string, { bytes: number; at: number }>();
 
   /**
    * `sharesBlocks` says whether the pool's copies share blocks with their source (it reflinks); without
@@ -69,24 +94,55 @@ export class Capacity {
     return this.sharesBlocks().catch(() => true);
   }
 
-  private async scanPromises(): Promise<{ promised: number; startedAt: number }> {
+  private async scanPromises(): Promise<Scan> {
     const startedAt = Date.now();
-    const volumes = (await listDir(this.layout.volumesDir)).filter(isVolumeId);
-    let promised = await sumOver(volumes, this.layout.volumeImage.bind(this.layout), (size, allocated) =>
-      Math.max(0, size - allocated),
-    );
-    if (await this.shares()) {
-      const snapshots = (await listDir(this.layout.snapshotsDir)).filter(isSnapshotId);
-      promised += await sumOver(
-        snapshots,
-        this.layout.snapshotImage.bind(this.layout),
-        (_, allocated) => allocated,
-      );
-    }
-    return { promised, startedAt };
+    const shares = await this.shares();
+    const ids = (await listDir(this.layout.volumesDir)).filter(isVolumeId);
+    const terms = new Map<string, number>();
+    await mapLimit(ids, SCAN_BATCH, async (id) => {
+      const term = await this.termOf(id, shares);
+      if (term !== undefined) terms.set(id, term);
+    });
+    return { promised: sum(terms.values()), startedAt, terms };
   }
 
-  private async scanned(): Promise<number> {
+  /** What volume `id` promises now (undefined when it has no image), and its allocated bytes. */
+  private async termOf(id: string, shares: boolean): Promise<number | undefined> {
+    const st = await fs.stat(this.layout.volumeImage(id)).catch(() => undefined);
+    if (!st) return undefined;
+    const allocated = Math.min(st.size, st.blocks * 512);
+    const shared = shares ? Math.min(allocated, await this.sharedOf(id, allocated)) : 0;
+    return volumePromise(st.size, st.blocks * 512) + shared;
+  }
+
+  /**
+   * Volume `id`'s shared bytes as its record says (read at most every SHARED_TTL_MS); a record that
+   * cannot be read counts as `allocated` (all of it shared).
+   */
+  private async sharedOf(id: string, allocated: number): Promise<number> {
+    const cached = this.shared.get(id);
+    if (cached && Date.now() - cached.at < SHARED_TTL_MS) return cached.bytes;
+    const r = await readRecord(this.layout.volumeShared(id), parseShared);
+    const bytes = r.state === 'ok' ? r.value : r.state === 'absent' ? 0 : allocated;
+    this.shared.set(id, { bytes, at: Date.now() });
+    return bytes;
+  }
+
+  /**
+   * Records that at least `bytes` of volume `id` may now be shared with another image (a reflink was
+   * just made of it, or it was made as one). The caller holds the volume's lock. Counted at once.
+   */
+  async markShared(id: string, bytes: number): Promise<void> {
+    const file = this.layout.volumeShared(id);
+    const r = await readRecord(file, parseShared);
+    const before = r.state === 'ok' ? r.value : 0;
+    if (r.state !== 'damaged' && before >= bytes) return;
+    await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`);
+    this.shared.set(id, { bytes, at: Date.now() });
+    this.adjust(bytes - before, id);
+  }
+
+  private async scanned(): Promise<Scan> {
     let scan = this.scan;
     if (!scan || Date.now() - scan.startedAt > SCAN_TTL_MS) {
       this.scanning ??= this.scanPromises().finally(() => {
@@ -99,13 +155,45 @@ export class Capacity {
       }
       scan = this.scan;
     }
-    return scan.promised;
+    return scan;
+  }
+
+  /**
+   * Reads volume `id`'s image again, and replaces what the cached scan says it promises with what it
+   * promises now: a pod may have written it since, which took free space and lowered its promise.
+   * Returns its allocated bytes (at most its size), and how many of them count as shared already.
+   */
+  private async refreshVolume(id: string): Promise<{ allocated: number; shared: number }> {
+    const scan = await this.scanned();
+    const st = await fs.stat(this.layout.volumeImage(id)).catch(() => undefined);
+    if (!st) return { allocated: 0, shared: 0 };
+    const shares = await this.shares();
+    this.recount(scan, id, (await this.termOf(id, shares)) ?? 0);
+    const allocated = Math.min(st.size, st.blocks * 512);
+    return { allocated, shared: shares ? Math.min(allocated, await this.sharedOf(id, allocated)) : 0 };
+  }
+
+  /** Counts `term` for volume `id` in place of whatever was counted for it (its scan term, its adjustments). */
+  private recount(scan: Scan, id: string, term: number): void {
+    this.adjustments = this.adjustments.filter((a) => a.id !== id);
+    if (scan.terms.has(id)) {
+      scan.promised += term - (scan.terms.get(id) ?? 0);
+      scan.terms.set(id, term);
+    } else if (term !== 0) {
+      this.adjustments.push({ at: Date.now(), bytes: term, id });
+    }
+  }
+
+  /** Volume `id` is gone: nothing is counted for it any more. */
+  volumeGone(id: string): void {
+    if (this.scan) this.recount(this.scan, id, 0);
+    this.shared.delete(id);
   }
 
   /** Reads the filesystem, then computes synchronously so concurrent reservations see each other. */
   private async measure(): Promise<() => CapacityReport> {
     const st = await fs.statfs(this.layout.root);
-    const scanned = await this.scanned();
+    const scanned = (await this.scanned()).promised;
     return () => {
       const totalBytes = st.blocks * st.bsize;
       const freeBytes = st.bavail * st.bsize;
@@ -125,14 +213,15 @@ export class Capacity {
   }
 
   /**
-   * Reserves `bytes` for a volume about to be made, or throws RESOURCE_EXHAUSTED. The returned function
-   * settles the reservation: `promisedAfter` is what the finished volume still promises (its unwritten
-   * size), or undefined when it was not made.
+   * Reserves `bytes` for volume `id` about to be made (or grown), or throws RESOURCE_EXHAUSTED. The
+   * returned function settles the reservation: `promisedAfter` is what the change adds to the volume's
+   * promise (its unwritten size), or undefined when it was not made.
    */
   async reserve(
     bytes: number,
     kind: Reservation,
     what: string,
+    id?: string,
   ): Promise<(promisedAfter: number | undefined) => void> {
     const report = (await this.measure())();
     const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
@@ -149,53 +238,41 @@ export class Capacity {
       settled = true;
       if (kind === 'sparse') this.pendingPromise -= bytes;
       else this.pendingBlocks -= bytes;
-      if (promisedAfter !== undefined && promisedAfter !== 0) this.adjust(promisedAfter);
+      if (promisedAfter !== undefined && promisedAfter !== 0) this.adjust(promisedAfter, id);
     };
   }
 
   /**
-   * Reserves room for a snapshot of an image with `allocatedBytes` allocated, or throws
-   * RESOURCE_EXHAUSTED: blocks taken now where it is a byte copy, a promise where it is a reflink. The
-   * returned function settles it with the finished snapshot image's allocated bytes, or undefined when
-   * it was not made.
+   * Reserves room for a copy of volume `sourceVolumeId` as it is now, or throws RESOURCE_EXHAUSTED: on a
+   * pool that can reflink, what the volume's shared blocks grow by (the copy marks them, markShared);
+   * on one that cannot, the blocks a byte copy takes at once, when they are not reserved otherwise (a
+   * snapshot; a clone's own reservation covers them). The returned function settles the reservation.
    */
-  async reserveSnapshot(
-    allocatedBytes: number,
+  async reserveCopyOf(
+    sourceVolumeId: string,
     what: string,
-  ): Promise<(allocatedAfter: number | undefined) => void> {
+    { byteCopyTakesBlocks }: { byteCopyTakesBlocks: boolean },
+  ): Promise<() => void> {
     const shares = await this.shares();
-    const settle = await this.reserve(allocatedBytes, shares ? 'sparse' : 'preallocate', what);
-    return (allocatedAfter) => {
-      settle(shares ? allocatedAfter : undefined);
+    const { allocated, shared } = await this.refreshVolume(sourceVolumeId);
+    const bytes = shares ? Math.max(0, allocated - shared) : byteCopyTakesBlocks ? allocated : 0;
+    const settle = await this.reserve(bytes, shares ? 'sparse' : 'preallocate', what);
+    return () => {
+      settle(undefined);
     };
   }
 
-  /** A snapshot image with `allocatedBytes` allocated went away. */
-  async snapshotGone(allocatedBytes: number): Promise<void> {
-    if (await this.shares()) this.adjust(-allocatedBytes);
-  }
-
-  /** Records a change in promised bytes made by this process (negative when a volume goes away). */
-  adjust(bytes: number): void {
-    this.adjustments.push({ at: Date.now(), bytes });
+  /** Records a change in promised bytes made by this process, to volume `id` when it says. */
+  adjust(bytes: number, id?: string): void {
+    this.adjustments.push({ at: Date.now(), bytes, id });
   }
 }
 
-/** The sum of `count(size, allocated)` over the images of `ids` (those that exist), read in batches. */
-async function sumOver(
-  ids: readonly string[],
-  image: (id: string) => string,
-  count: (size: number, allocated: number) => number,
-): Promise<number> {
-  let sum = 0;
-  for (let i = 0; i < ids.length; i += SCAN_BATCH) {
-    const stats = await Promise.all(
-      ids.slice(i, i + SCAN_BATCH).map((id) => fs.stat(image(id)).catch(() => undefined)),
-    );
-    for (const st of stats) if (st) sum += count(st.size, st.blocks * 512);
-  }
-  return sum;
-}
+const sum = (xs: Iterable<number>): number => {
+  let total = 0;
+  for (const x of xs) total += x;
+  return total;
+};
 
 /** `n` bytes in the largest binary unit that keeps the number at 1 or more: { value: 1.5, unit: 'GiB' }. */
 export function binaryScale(n: number): { value: number; unit: string } {

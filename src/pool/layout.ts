@@ -75,6 +75,10 @@ export class PoolLayout {
   volumeImageTemp(id: string): string {
     return path.join(this.volumeDir(id), `${IMAGE_FILE}.partial`);
   }
+  /** How many of the volume's blocks may be shared with another image (a reflink): capacity.ts. */
+  volumeShared(id: string): string {
+    return path.join(this.volumeDir(id), 'shared.json');
+  }
   volumeInitialized(id: string): string {
     return path.join(this.volumeDir(id), 'initialized');
   }

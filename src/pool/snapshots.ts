@@ -8,7 +8,7 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { busy, invalid, missing } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import { type Capacity, formatBytes } from './capacity.js';
+import type { Capacity } from './capacity.js';
 import { exists, fsyncDir, listDir, readRecord, type RecordRead, writeFileAtomic } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId } from './ids.js';
 import type { HeldLock } from './lock.js';
@@ -30,13 +30,6 @@ export interface CopiedSource {
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 const LIST_BATCH = 256;
-
-/** Bytes the file at `p` has allocated; 0 when it is not there. */
-const allocatedOf = async (p: string): Promise<number> =>
-  fs.stat(p).then(
-    (st) => st.blocks * 512,
-    () => 0,
-  );
 
 export class SnapshotStore {
   /** `capacity`: the pool's, which admits each copy (a reader of the pool alone passes none). */
@@ -111,13 +104,12 @@ export class SnapshotStore {
       await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id));
       await this.pool.refuseQuarantined(`snapshot ${id}`, id);
       await this.pool.assertPresent();
-      // Admitted against the pool's space before copying: what the source holds now (it is copied whole).
-      const holds = await allocatedOf(this.layout.volumeImage(meta.sourceVolumeId));
-      const settle = await this.capacity?.reserveSnapshot(
-        holds,
-        `snapshot ${JSON.stringify(meta.name)} of volume ${meta.sourceVolumeId} (${formatBytes(holds)} allocated)`,
+      // Admitted against the pool's space before copying what the source holds now (it is copied whole).
+      const settle = await this.capacity?.reserveCopyOf(
+        meta.sourceVolumeId,
+        `snapshot ${JSON.stringify(meta.name)} (the data of volume ${meta.sourceVolumeId})`,
+        { byteCopyTakesBlocks: true },
       );
-      let allocatedAfter: number | undefined;
       try {
         await fs.mkdir(dir, { mode: 0o750 });
         await fsyncDir(this.layout.snapshotsDir);
@@ -137,7 +129,6 @@ export class SnapshotStore {
           createdAt: takenAt.toISOString(),
         };
         await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));
-        allocatedAfter = await allocatedOf(this.layout.snapshotImage(id));
         return { snapshot: ready, created: true };
       } catch (err) {
         // With the lock lost, another process may own this snapshot now (and have finished it): what is
@@ -148,7 +139,7 @@ export class SnapshotStore {
         });
         throw err;
       } finally {
-        settle?.(allocatedAfter);
+        settle?.();
       }
     });
   }
@@ -201,9 +192,7 @@ export class SnapshotStore {
           `Snapshot ${id} is part of group snapshot ${meta.groupSnapshotId}; delete the group snapshot instead.`,
         );
       }
-      const held = await allocatedOf(this.layout.snapshotImage(id));
       await this.pool.discard(this.layout.snapshotDir(id));
-      await this.capacity?.snapshotGone(held);
     });
   }
 

@@ -40,6 +40,8 @@ const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 export interface FillResult {
   /** The image holds a filesystem or raw data already (a clone or a restore). */
   initialized: boolean;
+  /** It was made by reflink: how many of its bytes it shares with its source (capacity.ts). */
+  sharedBytes?: number;
 }
 
 export class VolumeStore extends VolumeFences {
@@ -112,6 +114,7 @@ export class VolumeStore extends VolumeFences {
         meta.capacityBytes,
         meta.allocation === 'preallocate' ? 'preallocate' : 'sparse',
         `volume ${meta.name}`,
+        id,
       );
       let promisedAfter: number | undefined;
       try {
@@ -123,8 +126,9 @@ export class VolumeStore extends VolumeFences {
         await this.writeMeta({ ...meta, state: 'creating' }, false);
         failpoint('create-volume:meta-creating');
         const partial = this.layout.volumeImageTemp(id);
-        const { initialized } = await fill(partial, lock);
+        const { initialized, sharedBytes } = await fill(partial, lock);
         failpoint('create-volume:image-written');
+        if (sharedBytes) await this.capacity.markShared(id, sharedBytes);
         await fs.rename(partial, this.layout.volumeImage(id));
         failpoint('create-volume:image-renamed');
         if (initialized) await this.markInitialized(id, 'controller (content source)');
@@ -133,6 +137,7 @@ export class VolumeStore extends VolumeFences {
         await this.writeMeta(ready); // its directory sync also makes the image's rename durable
         await fsyncDir(this.layout.volumesDir);
         failpoint('create-volume:ready');
+        // Its shared bytes were counted when marked.
         promisedAfter = Math.max(0, meta.capacityBytes - (await allocatedBytes(this.layout.volumeImage(id))));
         return { volume: ready, created: true };
       } catch (err) {
@@ -187,15 +192,8 @@ export class VolumeStore extends VolumeFences {
       if (here !== undefined) {
         throw conflict(`Volume ${id} is still in use on this host (${here}); it was not deleted.`);
       }
-      let promised = 0;
-      try {
-        const st = await fs.stat(this.layout.volumeImage(id));
-        promised = Math.max(0, st.size - st.blocks * 512);
-      } catch {
-        promised = 0;
-      }
       await this.pool.discard(dir);
-      this.capacity.adjust(-promised);
+      this.capacity.volumeGone(id);
     });
   }
 
@@ -233,6 +231,11 @@ export class VolumeStore extends VolumeFences {
    * Records that the volume holds a filesystem or data, so it is never formatted again. False when it
    * was recorded already.
    */
+  /** At least `bytes` of volume `id` may now be shared with a reflink of it; the caller holds its lock. */
+  markShared(id: string, bytes: number): Promise<void> {
+    return this.capacity.markShared(id, bytes);
+  }
+
   async markInitialized(id: string, by: string): Promise<boolean> {
     return createExclusive(this.layout.volumeInitialized(id), json({ by, at: new Date().toISOString() }));
   }

@@ -1,21 +1,22 @@
 /**
- * A snapshot never takes space the pool promised to a volume (GetCapacity: "never more than the pool can
- * honour"). A byte copy takes its blocks when it is made, so it is admitted against the free space; a
- * reflink takes none then, but its source's next overwrite needs new blocks for every one they share,
- * so it is counted as a promise for as long as it lives. Before this, both were made regardless: a
- * sparse volume then hit ENOSPC writing space it had been promised (its filesystem aborted), and a
- * preallocated one, overwritten, failed the same way.
+ * Copies never take space the pool promised to a volume (GetCapacity: "never more than the pool can
+ * honour"). A byte copy takes its blocks when it is made, so it is admitted against the free space. A
+ * reflink takes none then, but every block a volume shares with another image needs a new one when the
+ * volume rewrites it, so each volume also promises its shared blocks (pool/capacity.ts). Before this,
+ * snapshots were made regardless: a sparse volume then hit ENOSPC writing space it had been promised
+ * (its filesystem aborted), and a preallocated one, overwritten, failed the same way; so did restores.
  * Root only: real ext4 and XFS pools on loop devices this file makes and removes.
  */
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { Capacity } from '../../src/pool/capacity.js';
+import { Capacity, SCAN_TTL_MS } from '../../src/pool/capacity.js';
 import {
   blockCapability,
   controllerWorld,
   type ControllerWorld,
+  fromSnapshot,
   removeControllerWorlds,
   volumeIdOf,
 } from '../helpers/controller-world.js';
@@ -31,10 +32,10 @@ afterAll(async () => {
 });
 
 /** A controller (overcommit ratio 1) on a new pool filesystem of its own. */
-async function worldOn(fsType: 'ext4' | 'xfs'): Promise<ControllerWorld> {
+async function worldOn(fsType: 'ext4' | 'xfs', sizeMiB: number): Promise<ControllerWorld> {
   const base = await fs.mkdtemp(path.join(os.tmpdir(), `loopvol-test-snapshot-space-${fsType}-`));
   bases.push(base);
-  const scratch = await scratchFilesystem(base, fsType, 320);
+  const scratch = await scratchFilesystem(base, fsType, sizeMiB);
   scratches.push(scratch);
   return controllerWorld({ under: scratch.mountPoint, overcommitRatio: 1 });
 }
@@ -48,57 +49,93 @@ async function filled(w: ControllerWorld, name: string, mib: number, parameters 
   return id;
 }
 
+/** What a controller starting now would report: read from the pool, not from this process's memory. */
+const fresh = (w: ControllerWorld) => Capacity.of(w.pool, 1).report();
+
+/** Until the controller reads the pool again: what pods wrote since is in its numbers then. */
+const rescanned = () => new Promise((r) => setTimeout(r, SCAN_TTL_MS + 100));
+
 /** A sparse volume that takes what the pool can still promise, less `leaveMiB`. */
 async function promiseAllBut(w: ControllerWorld, leaveMiB: number): Promise<string> {
+  await rescanned();
   const { availableBytes } = await w.d.capacity.report();
   const bytes = Math.floor((availableBytes - leaveMiB * MiB) / MiB) * MiB;
   expect(bytes).toBeGreaterThan(0);
   return volumeIdOf(await w.CreateVolume('promised', { bytes, caps: [blockCapability] }));
 }
 
+/** Overwrites the whole of `image` in place, as a pod would: the write's error, or 'none'. */
+async function overwrite(image: string): Promise<string> {
+  const h = await fs.open(image, 'r+');
+  try {
+    const size = (await h.stat()).size;
+    for (let off = 0; off < size; off += 4 * MiB) await h.write(Buffer.alloc(4 * MiB, 0x5a), 0, 4 * MiB, off);
+    await h.sync();
+    return 'none';
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code ?? String(err);
+  } finally {
+    await h.close().catch(() => undefined);
+  }
+}
+
 describe.skipIf(!isRoot())('snapshots and the pool space promised to volumes', () => {
-  it('a byte copy (ext4 pool) is refused when its blocks are promised to a volume, and counted once made', async () => {
-    const w = await worldOn('ext4');
+  it('a byte copy (ext4 pool) is refused when its blocks are promised to a volume', async () => {
+    const w = await worldOn('ext4', 320);
     const src = await filled(w, 'src', 64);
     const promised = await promiseAllBut(w, 32); // 32 MiB left: the 64 MiB copy does not fit
     expect(await codeOf(w.CreateSnapshot('too-big', src))).toBe('RESOURCE_EXHAUSTED');
     expect(await fs.readdir(w.pool.layout.snapshotsDir)).toEqual([]); // nothing copied, nothing left
+    // The promised volume gets all of its space.
+    await writeRandom(
+      w.volumes.imagePath(promised),
+      (await fs.stat(w.volumes.imagePath(promised))).size / MiB,
+      3,
+    );
 
     await w.volumes.delete(promised);
-    const before = await w.d.capacity.report();
-    const snap = await w.CreateSnapshot('fits', src);
-    expect(snap.snapshot?.ready_to_use).toBe(true);
-    const after = await w.d.capacity.report();
-    expect(before.availableBytes - after.availableBytes).toBeGreaterThanOrEqual(60 * MiB);
+    expect((await w.CreateSnapshot('fits', src)).snapshot?.ready_to_use).toBe(true);
   }, 120_000);
 
-  it('a reflink (XFS pool) of a preallocated volume is promised, refused when it cannot be, and given back when deleted', async () => {
-    const w = await worldOn('xfs');
-    const src = await filled(w, 'src', 64, { allocation: 'preallocate' });
-    const before = await w.d.capacity.report();
-    const snap = await w.CreateSnapshot('first', src);
-    const id = snap.snapshot?.snapshot_id ?? '';
-    expect(snap.snapshot?.ready_to_use).toBe(true);
-    // The reflink took no blocks, but the volume's next overwrite needs 64 MiB: no longer offered.
-    const after = await w.d.capacity.report();
-    expect(before.freeBytes - after.freeBytes).toBeLessThan(8 * MiB);
-    expect(before.availablePreallocatedBytes - after.availablePreallocatedBytes).toBeGreaterThanOrEqual(
-      60 * MiB,
-    );
-    // Counted from the images too, not only in this process's memory (a restarted controller sees it).
-    const fresh = await Capacity.of(w.pool, 1).report();
-    expect(before.availablePreallocatedBytes - fresh.availablePreallocatedBytes).toBeGreaterThanOrEqual(
+  it('reflinks (XFS pool): what a rewrite of shared blocks needs is promised, so every volume can still rewrite all of itself', async () => {
+    const w = await worldOn('xfs', 512);
+    const p = await filled(w, 'prealloc', 64, { allocation: 'preallocate' });
+    const q = await filled(w, 'sparse', 32);
+    await rescanned();
+    const start = await w.d.capacity.report();
+
+    const s1 = (await w.CreateSnapshot('first', p)).snapshot?.snapshot_id ?? '';
+    const afterFirst = await w.d.capacity.report();
+    expect(start.freeBytes - afterFirst.freeBytes).toBeLessThan(8 * MiB); // a reflink takes no blocks
+    // ...but the volume's next overwrite needs 64 MiB: no longer offered.
+    expect(start.availablePreallocatedBytes - afterFirst.availablePreallocatedBytes).toBeGreaterThanOrEqual(
       60 * MiB,
     );
 
-    const promised = await promiseAllBut(w, 32);
-    expect(await codeOf(w.CreateSnapshot('second', src))).toBe('RESOURCE_EXHAUSTED');
-    await w.volumes.delete(promised);
+    await w.CreateSnapshot('second', p); // of the same blocks: nothing more to promise
+    const afterSecond = await w.d.capacity.report();
+    expect(afterFirst.availableBytes - afterSecond.availableBytes).toBeLessThan(8 * MiB);
 
-    await w.snapshots.delete(id);
-    const gone = await w.d.capacity.report();
-    expect(gone.availablePreallocatedBytes - after.availablePreallocatedBytes).toBeGreaterThanOrEqual(
-      60 * MiB,
+    // A restore shares the snapshot's blocks: its own rewrite of them is promised too.
+    const c = volumeIdOf(
+      await w.CreateVolume('restored', {
+        bytes: 64 * MiB,
+        caps: [blockCapability],
+        source: fromSnapshot(s1),
+      }),
     );
+    const afterRestore = await w.d.capacity.report();
+    expect(afterSecond.availableBytes - afterRestore.availableBytes).toBeGreaterThanOrEqual(60 * MiB);
+    // Counted from the pool too, not only in this process's memory (a restarted controller sees it).
+    expect(Math.abs((await fresh(w)).availableBytes - afterRestore.availableBytes)).toBeLessThan(8 * MiB);
+
+    // Everything left is promised to one more volume, which a pod fills.
+    const f = await promiseAllBut(w, 8);
+    expect(await codeOf(w.CreateSnapshot('of-unshared', q))).toBe('RESOURCE_EXHAUSTED');
+    await writeRandom(w.volumes.imagePath(f), (await fs.stat(w.volumes.imagePath(f))).size / MiB, 5);
+    // Every volume rewrites all of itself: none runs out of space.
+    expect(await overwrite(w.volumes.imagePath(p))).toBe('none');
+    expect(await overwrite(w.volumes.imagePath(c))).toBe('none');
+    expect(await overwrite(w.volumes.imagePath(q))).toBe('none');
   }, 120_000);
 });
