@@ -34,6 +34,7 @@ import { FenceGuard, thawLeftovers } from './node/fence.js';
 import { QuiesceAgent } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
 import { startDiscarding } from './pool/leftovers.js';
+import { startRecordingSharing } from './pool/shared-records.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool, PoolMissing } from './pool/pool.js';
 import { QuiesceBoard } from './pool/quiesce.js';
@@ -91,7 +92,7 @@ async function serve(
   const capacity = Capacity.of(pool, config.overcommitRatio);
   const nodes = new NodeRegistry(pool.layout, config.nodeFenceMs);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log, capacity);
+  const snapshots = new SnapshotStore(pool, log);
   const board = new QuiesceBoard(pool);
   const startup = startupContext(log, runner);
   const out: Serving = {
@@ -114,6 +115,7 @@ async function serve(
     const copy = {
       pool,
       volumes,
+      capacity,
       board,
       freezeBudgetMs: config.freezeBudgetMs,
       freezeWaitMs: FREEZE_WAIT_MS,
@@ -139,6 +141,7 @@ async function serve(
       },
     );
     out.discarding = startDiscarding(pool, { volumes, snapshots }, log);
+    startRecordingSharing(pool, capacity, { volumes, snapshots }, log);
     out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
     out.group = groupService({ ...copy, snapshots });
     out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });

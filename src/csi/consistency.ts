@@ -17,6 +17,7 @@ import { conflict, missing } from '../errors.js';
 import { CommandError, detached } from '../exec/runner.js';
 import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
 import type { HeldLock } from '../pool/lock.js';
+import type { Capacity } from '../pool/capacity.js';
 import type { Pool } from '../pool/pool.js';
 import type { QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
 import type { Lease, VolumeMeta } from '../pool/types.js';
@@ -26,6 +27,8 @@ import type { CallContext } from '../server/call.js';
 export interface CopyDeps {
   pool: Pool;
   volumes: VolumeStore;
+  /** Admits each copy against the pool's space (capacity.ts). */
+  capacity: Capacity;
   board: QuiesceBoard;
   /** How long a filesystem may be kept frozen for a byte copy. */
   freezeBudgetMs: number;
@@ -134,6 +137,8 @@ async function copyHeld<T>(
     ttlMs = d.freezeBudgetMs + FREEZE_SLACK_MS;
   }
 
+  // The pool's count is read now, not while something is frozen (each copy is admitted under its freeze).
+  await d.capacity.report();
   const asked = performance.now();
   const holds = await freezeAll(ctx, d, writers, ttlMs);
   const signal = AbortSignal.any(locks.map((l) => l.signal));
@@ -159,33 +164,48 @@ async function copyHeld<T>(
         const left = asked + ttlMs - FREEZE_SLACK_MS - performance.now();
         if (frozen && left <= 0)
           throw conflict(`The freeze of volume ${volumeId} ran out before its copy began; retry.`);
-        const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
-          allowCopy,
-          signal,
-          purpose: ctx.method === 'CreateVolume' ? 'clone' : 'snapshot',
-          ...(frozen ? { timeoutMs: left } : {}),
-        }).catch(async (err: unknown) => {
-          if (!(frozen && err instanceof CommandError && err.reason === 'timeout')) throw err;
-          // The pool copies slower than it was judged to: remembered, so that the next attempt is
-          // refused before anything is frozen (a retry would otherwise freeze the workload again).
-          const bytes = await allocatedBytes(d.volumes.imagePath(volumeId)).catch(() => 0);
-          d.pool.fs.recordUnfinishedCopy(bytes, d.freezeBudgetMs / 1000);
-          throw conflict(
-            `Copying volume ${volumeId} (${formatMiB(bytes)}) did not finish within its ${Math.round(d.freezeBudgetMs / 1000)} s freeze budget, so it was stopped and the volume thawed. Stop the workload (scale it to zero) and retry, or use a pool on xfs or btrfs.`,
-            err,
+        const purpose = ctx.method === 'CreateVolume' ? 'clone' : 'snapshot';
+        // Admitted here, under the source's lock and freeze: what it holds now is what gets shared.
+        const settleSharing = await d.capacity.reserveSharing(volumeId, `a ${purpose} of volume ${volumeId}`);
+        let settleBlocks: (() => void) | undefined;
+        let started = performance.now();
+        try {
+          const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
+            allowCopy,
+            signal,
+            purpose,
+            ...(frozen ? { timeoutMs: left } : {}),
+            admitByteCopy: async (bytes) => {
+              // A snapshot's byte copy takes its blocks now (a clone's are in its own reservation).
+              if (purpose === 'snapshot')
+                settleBlocks = await d.capacity.reserveBlocks(bytes, `a snapshot of volume ${volumeId}`);
+              started = performance.now();
+            },
+          }).catch(async (err: unknown) => {
+            if (!(frozen && err instanceof CommandError && err.reason === 'timeout')) throw err;
+            const bytes = await allocatedBytes(d.volumes.imagePath(volumeId)).catch(() => 0);
+            // The pool copies slower than it was judged to: remembered, so that the next attempt is
+            // refused before anything is frozen (a retry would otherwise freeze the workload again). Not
+            // when the freeze itself took most of the budget: that says nothing of the pool.
+            if (performance.now() - started >= d.freezeBudgetMs / 2)
+              d.pool.fs.recordUnfinishedCopy(bytes, d.freezeBudgetMs / 1000);
+            throw conflict(
+              `Copying volume ${volumeId} (${formatMiB(bytes)}) did not finish within its ${Math.round(d.freezeBudgetMs / 1000)} s freeze budget, so it was stopped and the volume thawed. Stop the workload (scale it to zero) and retry, or use a pool on xfs or btrfs.`,
+              err,
+            );
+          });
+          if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
+          // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
+          if (result.method === 'reflink') await d.volumes.markShared(volumeId, await allocatedBytes(dst));
+          ctx.log.info(
+            { source: volumeId, how: result.method, bytes: result.bytes, frozen },
+            'copied volume image',
           );
-        });
-        if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
-        // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
-        if (result.method === 'reflink') {
-          const shared = await allocatedBytes(dst).catch(() => 0);
-          await d.volumes.markShared(volumeId, shared);
+          return result;
+        } finally {
+          settleSharing();
+          settleBlocks?.();
         }
-        ctx.log.info(
-          { source: volumeId, how: result.method, bytes: result.bytes, frozen },
-          'copied volume image',
-        );
-        return result;
       },
     };
     const out = await fn(plan);

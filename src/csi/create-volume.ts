@@ -266,14 +266,6 @@ export function createVolumeMethod(
           });
         } else if (v.source?.kind === 'volume') {
           const id = v.source.id;
-          // A reflink makes the source's blocks shared too: admitted before it is made (capacity.ts).
-          const settleSource = await d.capacity.reserveCopyOf(
-            id,
-            `clone ${JSON.stringify(v.name)} of volume ${id}`,
-            {
-              byteCopyTakesBlocks: false,
-            },
-          );
           await withConsistentSources(ctx, d, [id], async (plan) => {
             // A first NodeStageVolume (or an expansion) while this waited for the lock changes what the
             // copy holds: the size, filesystem and "initialized" chosen above would no longer fit it.
@@ -289,7 +281,7 @@ export function createVolumeMethod(
               );
             }
             copied.shared = (await plan.copy(id, image)).method === 'reflink';
-          }).finally(settleSource);
+          });
         } else {
           await createSparseImage(image, size);
         }

@@ -31,8 +31,6 @@ import type { PoolLayout } from './layout.js';
 import type { Pool } from './pool.js';
 
 export const SCAN_TTL_MS = 5_000;
-/** How long a volume's shared.json is trusted before it is read again (another controller may change it). */
-const SHARED_TTL_MS = 60_000;
 
 /** A shared.json record: its byte count. */
 const parseShared = (v: unknown): number | undefined =>
@@ -116,30 +114,42 @@ export class Capacity {
   }
 
   /**
-   * Volume `id`'s shared bytes as its record says (read at most every SHARED_TTL_MS); a record that
-   * cannot be read counts as `allocated` (all of it shared).
+   * Volume `id`'s shared bytes as its record says (read again after SCAN_TTL_MS). A volume without one
+   * (made before records were kept; recordSharing() writes them) or whose record cannot be read counts
+   * as sharing all of `allocated`.
    */
   private async sharedOf(id: string, allocated: number): Promise<number> {
     const cached = this.shared.get(id);
-    if (cached && Date.now() - cached.at < SHARED_TTL_MS) return cached.bytes;
-    const r = await readRecord(this.layout.volumeShared(id), parseShared);
-    const bytes = r.state === 'ok' ? r.value : r.state === 'absent' ? 0 : allocated;
+    if (cached && Date.now() - cached.at < SCAN_TTL_MS) return cached.bytes;
+    const r = await readRecord(this.layout.volumeShared(id), parseShared).catch(() => undefined);
+    const bytes = r?.state === 'ok' ? r.value : allocated;
     this.shared.set(id, { bytes, at: Date.now() });
     return bytes;
   }
 
+  /** Whether volume `id` has a record of its shared blocks (false also when it cannot be read). */
+  async hasSharedRecord(id: string): Promise<boolean> {
+    const r = await readRecord(this.layout.volumeShared(id), parseShared).catch(() => undefined);
+    return r?.state === 'ok';
+  }
+
   /**
-   * Records that at least `bytes` of volume `id` may now be shared with another image (a reflink was
-   * just made of it, or it was made as one). The caller holds the volume's lock. Counted at once.
+   * Records that at least `bytes` of volume `id` may be shared with another image (a reflink was just
+   * made of it, or it was made as one; 0 for a new volume that shares nothing), on a pool that reflinks.
+   * The caller holds the volume's lock. Counted at once when its image is there (a volume being made
+   * counts it when its reservation settles). True when the pool keeps such records.
    */
-  async markShared(id: string, bytes: number): Promise<void> {
+  async markShared(id: string, bytes: number): Promise<boolean> {
+    if (!(await this.shares())) return false;
     const file = this.layout.volumeShared(id);
-    const r = await readRecord(file, parseShared);
-    const before = r.state === 'ok' ? r.value : 0;
-    if (r.state !== 'damaged' && before >= bytes) return;
-    await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`);
+    const r = await readRecord(file, parseShared).catch(() => undefined);
+    if (r?.state === 'ok' && r.value >= bytes) return true;
+    // Not synced: a record lost or torn by a crash counts as all shared (sharedOf), never as less.
+    await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`, false);
     this.shared.set(id, { bytes, at: Date.now() });
-    this.adjust(bytes - before, id);
+    const term = await this.termOf(id, true);
+    if (this.scan && term !== undefined) this.recount(this.scan, id, term);
+    return true;
   }
 
   private async scanned(): Promise<Scan> {
@@ -243,20 +253,25 @@ export class Capacity {
   }
 
   /**
-   * Reserves room for a copy of volume `sourceVolumeId` as it is now, or throws RESOURCE_EXHAUSTED: on a
-   * pool that can reflink, what the volume's shared blocks grow by (the copy marks them, markShared);
-   * on one that cannot, the blocks a byte copy takes at once, when they are not reserved otherwise (a
-   * snapshot; a clone's own reservation covers them). The returned function settles the reservation.
+   * Reserves room for a reflink of volume `sourceVolumeId` as it is now (the caller holds its lock, and
+   * its freeze): what its shared blocks grow by, which the copy then marks (markShared); nothing on a
+   * pool that cannot reflink. Throws RESOURCE_EXHAUSTED when that does not fit. Either way the volume's
+   * count is read again first, so what a pod wrote since the last scan is not counted twice. The
+   * returned function settles the reservation.
    */
-  async reserveCopyOf(
-    sourceVolumeId: string,
-    what: string,
-    { byteCopyTakesBlocks }: { byteCopyTakesBlocks: boolean },
-  ): Promise<() => void> {
+  async reserveSharing(sourceVolumeId: string, what: string): Promise<() => void> {
     const shares = await this.shares();
     const { allocated, shared } = await this.refreshVolume(sourceVolumeId);
-    const bytes = shares ? Math.max(0, allocated - shared) : byteCopyTakesBlocks ? allocated : 0;
-    const settle = await this.reserve(bytes, shares ? 'sparse' : 'preallocate', what);
+    if (!shares) return () => undefined;
+    const settle = await this.reserve(Math.max(0, allocated - shared), 'sparse', what);
+    return () => {
+      settle(undefined);
+    };
+  }
+
+  /** Reserves `bytes` of blocks a byte copy is about to take, or throws RESOURCE_EXHAUSTED. */
+  async reserveBlocks(bytes: number, what: string): Promise<() => void> {
+    const settle = await this.reserve(bytes, 'preallocate', what);
     return () => {
       settle(undefined);
     };

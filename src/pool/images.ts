@@ -109,6 +109,11 @@ export interface CopyOptions {
   timeoutMs?: number;
   /** What the copy is for (the copy metrics' label). */
   purpose?: CopyPurpose;
+  /**
+   * Called with the bytes a byte copy is about to write, before it writes them (it may throw to refuse
+   * it: a snapshot's blocks are admitted against the pool's space, capacity.ts).
+   */
+  admitByteCopy?: (bytes: number) => Promise<void>;
   /** How often a byte copy logs its progress (default 10 s). */
   progressMs?: number;
 }
@@ -148,6 +153,7 @@ async function copyImageOnce(x: Exec, src: string, dst: string, opts: CopyOption
     }
   }
   const bytes = await allocatedBytes(src);
+  await opts.admitByteCopy?.(bytes);
   const progress = logProgress(x, src, dst, bytes, started, opts.progressMs ?? COPY_PROGRESS_MS);
   try {
     await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {

@@ -8,7 +8,6 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { busy, invalid, missing } from '../errors.js';
 import { failpoint } from '../failpoints.js';
-import type { Capacity } from './capacity.js';
 import { exists, fsyncDir, listDir, readRecord, type RecordRead, writeFileAtomic } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId } from './ids.js';
 import type { HeldLock } from './lock.js';
@@ -32,11 +31,9 @@ const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 const LIST_BATCH = 256;
 
 export class SnapshotStore {
-  /** `capacity`: the pool's, which admits each copy (a reader of the pool alone passes none). */
   constructor(
     private readonly pool: Pool,
     private readonly log: Logger,
-    private readonly capacity?: Capacity,
   ) {}
 
   private get layout() {
@@ -104,12 +101,6 @@ export class SnapshotStore {
       await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id));
       await this.pool.refuseQuarantined(`snapshot ${id}`, id);
       await this.pool.assertPresent();
-      // Admitted against the pool's space before copying what the source holds now (it is copied whole).
-      const settle = await this.capacity?.reserveCopyOf(
-        meta.sourceVolumeId,
-        `snapshot ${JSON.stringify(meta.name)} (the data of volume ${meta.sourceVolumeId})`,
-        { byteCopyTakesBlocks: true },
-      );
       try {
         await fs.mkdir(dir, { mode: 0o750 });
         await fsyncDir(this.layout.snapshotsDir);
@@ -138,8 +129,6 @@ export class SnapshotStore {
           this.log.error({ snapshotId: id, err: cleanupErr }, 'could not remove a failed snapshot');
         });
         throw err;
-      } finally {
-        settle?.();
       }
     });
   }

@@ -128,7 +128,8 @@ export class VolumeStore extends VolumeFences {
         const partial = this.layout.volumeImageTemp(id);
         const { initialized, sharedBytes } = await fill(partial, lock);
         failpoint('create-volume:image-written');
-        if (sharedBytes) await this.capacity.markShared(id, sharedBytes);
+        // Its record of shared blocks (on a pool that reflinks) exists before its image appears.
+        const recorded = await this.capacity.markShared(id, sharedBytes ?? 0);
         await fs.rename(partial, this.layout.volumeImage(id));
         failpoint('create-volume:image-renamed');
         if (initialized) await this.markInitialized(id, 'controller (content source)');
@@ -137,8 +138,11 @@ export class VolumeStore extends VolumeFences {
         await this.writeMeta(ready); // its directory sync also makes the image's rename durable
         await fsyncDir(this.layout.volumesDir);
         failpoint('create-volume:ready');
-        // Its shared bytes were counted when marked.
-        promisedAfter = Math.max(0, meta.capacityBytes - (await allocatedBytes(this.layout.volumeImage(id))));
+        const unwritten = Math.max(
+          0,
+          meta.capacityBytes - (await allocatedBytes(this.layout.volumeImage(id))),
+        );
+        promisedAfter = unwritten + (recorded ? (sharedBytes ?? 0) : 0);
         return { volume: ready, created: true };
       } catch (err) {
         // With the lock lost, another process may own this volume now (and have finished it): what is
@@ -232,7 +236,7 @@ export class VolumeStore extends VolumeFences {
    * was recorded already.
    */
   /** At least `bytes` of volume `id` may now be shared with a reflink of it; the caller holds its lock. */
-  markShared(id: string, bytes: number): Promise<void> {
+  markShared(id: string, bytes: number): Promise<boolean> {
     return this.capacity.markShared(id, bytes);
   }
 

@@ -72,7 +72,7 @@ export async function controllerWorld({ under = os.tmpdir(), overcommitRatio = 1
   const nodes = new NodeRegistry(pool.layout);
   const capacity = Capacity.of(pool, overcommitRatio);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log, capacity);
+  const snapshots = new SnapshotStore(pool, log);
   const d: ControllerDeps = {
     config: { poolName: 'test', defaultVolumeSize: 64 * MiB },
     pool,

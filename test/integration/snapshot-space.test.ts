@@ -12,11 +12,13 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { Capacity, SCAN_TTL_MS } from '../../src/pool/capacity.js';
+import { recordSharing } from '../../src/pool/shared-records.js';
 import {
   blockCapability,
   controllerWorld,
   type ControllerWorld,
   fromSnapshot,
+  fromVolume,
   removeControllerWorlds,
   volumeIdOf,
 } from '../helpers/controller-world.js';
@@ -137,5 +139,31 @@ describe.skipIf(!isRoot())('snapshots and the pool space promised to volumes', (
     expect(await overwrite(w.volumes.imagePath(p))).toBe('none');
     expect(await overwrite(w.volumes.imagePath(c))).toBe('none');
     expect(await overwrite(w.volumes.imagePath(q))).toBe('none');
+  }, 120_000);
+
+  it('volumes made before records of shared blocks were kept count as sharing all until a controller records them', async () => {
+    const w = await worldOn('xfs', 512);
+    const src = await filled(w, 'source', 32);
+    const other = await filled(w, 'unrelated', 32);
+    await w.CreateSnapshot('of-source', src);
+    const clone = volumeIdOf(
+      await w.CreateVolume('clone', { bytes: 32 * MiB, caps: [blockCapability], source: fromVolume(src) }),
+    );
+    const l = w.pool.layout;
+    const shared = async (id: string): Promise<unknown> =>
+      JSON.parse(await fs.readFile(l.volumeShared(id), 'utf8')).bytes;
+    const recorded = await fresh(w);
+    // An older release kept no such records.
+    for (const id of [src, other, clone]) await fs.rm(l.volumeShared(id));
+    const older = await fresh(w);
+    // The unrelated volume now counts as sharing its 32 MiB too.
+    expect(recorded.availableBytes - older.availableBytes).toBeGreaterThanOrEqual(30 * MiB);
+
+    expect(await recordSharing(w.pool, Capacity.of(w.pool, 1), w)).toBe(3);
+    expect(await shared(src)).toBeGreaterThanOrEqual(32 * MiB);
+    expect(await shared(clone)).toBeGreaterThanOrEqual(32 * MiB);
+    expect(await shared(other)).toBe(0);
+    expect(Math.abs((await fresh(w)).availableBytes - recorded.availableBytes)).toBeLessThan(4 * MiB);
+    expect(await recordSharing(w.pool, Capacity.of(w.pool, 1), w)).toBe(0);
   }, 120_000);
 });

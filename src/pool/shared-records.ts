@@ -1,0 +1,89 @@
+/**
+ * Records of shared blocks (capacity.ts) for volumes made before such records were kept. Until it has
+ * one, a volume on a pool that reflinks counts as sharing everything it holds: never less than it may,
+ * but a pool of written volumes would then offer too little. A controller writes the missing records
+ * when it starts: a volume that is the source of a snapshot or of a clone, or was made from one, may
+ * share all its allocated bytes; any other shares none. Each under the volume's lock, taken only when
+ * free (a create at work writes its own); a volume still being made is left to its create.
+ */
+import type { Logger } from 'pino';
+import { DomainError } from '../errors.js';
+import { mapLimit } from '../limit.js';
+import type { Capacity } from './capacity.js';
+import { listDir, type RecordRead } from './fsutil.js';
+import { isSnapshotId, isVolumeId } from './ids.js';
+import { allocatedBytes } from './images.js';
+import type { Pool } from './pool.js';
+import type { SnapshotMeta, VolumeMeta } from './types.js';
+
+export interface SharingStores {
+  volumes: { inspect: (id: string) => Promise<RecordRead<VolumeMeta>> };
+  snapshots: { inspect: (id: string) => Promise<RecordRead<SnapshotMeta>> };
+}
+
+/** Writes the missing records; returns how many it wrote. */
+export async function recordSharing(pool: Pool, capacity: Capacity, stores: SharingStores): Promise<number> {
+  if (!(await pool.fs.canReflink().catch(() => false))) return 0;
+  const l = pool.layout;
+  const volumes = (await listDir(l.volumesDir)).filter(isVolumeId);
+  const missing = (
+    await mapLimit(volumes, 16, async (id) => ((await capacity.hasSharedRecord(id)) ? undefined : id))
+  ).filter((id): id is string => id !== undefined);
+  if (missing.length === 0) return 0;
+
+  // Who may share: sources of snapshots and of clones, and what was made from a source.
+  const sharing = new Set<string>();
+  await mapLimit((await listDir(l.snapshotsDir)).filter(isSnapshotId), 16, async (id) => {
+    const r = await stores.snapshots.inspect(id);
+    if (r.state === 'ok') sharing.add(r.value.sourceVolumeId);
+  });
+  await mapLimit(volumes, 16, async (id) => {
+    const r = await stores.volumes.inspect(id);
+    if (r.state !== 'ok' || r.value.contentSource === null) return;
+    sharing.add(id);
+    if (r.value.contentSource.kind === 'volume') sharing.add(r.value.contentSource.id);
+  });
+
+  let written = 0;
+  await mapLimit(missing, 16, async (id) => {
+    try {
+      await pool.withLock(
+        id,
+        'record shared blocks',
+        async () => {
+          if (await capacity.hasSharedRecord(id)) return;
+          const r = await stores.volumes.inspect(id);
+          if (r.state !== 'ok' || r.value.state !== 'ready') return;
+          const allocated = sharing.has(id) ? await allocatedBytes(l.volumeImage(id)) : 0;
+          await capacity.markShared(id, Math.min(allocated, r.value.capacityBytes));
+          written++;
+        },
+        0,
+      );
+    } catch (err) {
+      if (!(err instanceof DomainError && err.kind === 'busy')) throw err;
+    }
+  });
+  return written;
+}
+
+/** recordSharing in the background, logged. */
+export function startRecordingSharing(
+  pool: Pool,
+  capacity: Capacity,
+  stores: SharingStores,
+  log: Logger,
+): void {
+  recordSharing(pool, capacity, stores).then(
+    (written) => {
+      if (written > 0)
+        log.info({ volumes: written }, 'recorded the shared blocks of volumes made before such records');
+    },
+    (err: unknown) => {
+      log.error(
+        { err },
+        'could not record the shared blocks of older volumes; they count as sharing everything',
+      );
+    },
+  );
+}
