@@ -151,7 +151,7 @@ describe.skipIf(!isRoot())('snapshots and the pool space promised to volumes', (
     );
     const l = w.pool.layout;
     const shared = async (id: string): Promise<unknown> =>
-      JSON.parse(await fs.readFile(l.volumeShared(id), 'utf8')).bytes;
+      (JSON.parse(await fs.readFile(l.volumeShared(id), 'utf8')) as { bytes: number }).bytes;
     const recorded = await fresh(w);
     // An older release kept no such records.
     for (const id of [src, other, clone]) await fs.rm(l.volumeShared(id));
