@@ -161,13 +161,15 @@ async function copyHeld<T>(
         // A byte copy is safe when nothing writes the source, or it stays frozen until the copy ends.
         const allowCopy = !unfrozenWriters.has(volumeId);
         const frozen = frozenOnes.has(volumeId);
-        const left = asked + ttlMs - FREEZE_SLACK_MS - performance.now();
-        if (frozen && left <= 0)
-          throw conflict(`The freeze of volume ${volumeId} ran out before its copy began; retry.`);
         const purpose = ctx.method === 'CreateVolume' ? 'clone' : 'snapshot';
         // Admitted here, under the source's lock and freeze: what it holds now is what gets shared.
-        const settleSharing = await d.capacity.reserveSharing(volumeId, `a ${purpose} of volume ${volumeId}`);
+        let settleSharing = await d.capacity.reserveSharing(volumeId, `a ${purpose} of volume ${volumeId}`);
         let settleBlocks: (() => void) | undefined;
+        const left = asked + ttlMs - FREEZE_SLACK_MS - performance.now();
+        if (frozen && left <= 0) {
+          settleSharing();
+          throw conflict(`The freeze of volume ${volumeId} ran out before its copy began; retry.`);
+        }
         let started = performance.now();
         try {
           const result = await copyImage(ctx, d.volumes.imagePath(volumeId), dst, {
@@ -176,7 +178,10 @@ async function copyHeld<T>(
             purpose,
             ...(frozen ? { timeoutMs: left } : {}),
             admitByteCopy: async (bytes) => {
-              // A snapshot's byte copy takes its blocks now (a clone's are in its own reservation).
+              // A byte copy shares nothing; a snapshot's takes its blocks now (a clone's are in its own
+              // reservation).
+              settleSharing();
+              settleSharing = () => undefined;
               if (purpose === 'snapshot')
                 settleBlocks = await d.capacity.reserveBlocks(bytes, `a snapshot of volume ${volumeId}`);
               started = performance.now();

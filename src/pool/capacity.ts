@@ -144,17 +144,20 @@ export class Capacity {
     const file = this.layout.volumeShared(id);
     const r = await readRecord(file, parseShared).catch(() => undefined);
     if (r?.state === 'ok' && r.value >= bytes) return true;
-    // Not synced: a record lost or torn by a crash counts as all shared (sharedOf), never as less.
-    await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`, false);
+    // A first record need not be synced: lost or torn by a crash, it counts as all shared (sharedOf). One
+    // that replaces a smaller record must be: a crash must not bring the smaller one back.
+    const replaces = r !== undefined && r.state !== 'absent';
+    await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`, replaces);
     this.shared.set(id, { bytes, at: Date.now() });
     const term = await this.termOf(id, true);
     if (this.scan && term !== undefined) this.recount(this.scan, id, term);
     return true;
   }
 
-  private async scanned(): Promise<Scan> {
+  /** The cached sum, read again when older than SCAN_TTL_MS (with `anyAge`, only when there is none). */
+  private async scanned(anyAge = false): Promise<Scan> {
     let scan = this.scan;
-    if (!scan || Date.now() - scan.startedAt > SCAN_TTL_MS) {
+    if (!scan || (!anyAge && Date.now() - scan.startedAt > SCAN_TTL_MS)) {
       this.scanning ??= this.scanPromises().finally(() => {
         this.scanning = undefined;
       });
@@ -174,11 +177,13 @@ export class Capacity {
    * Returns its allocated bytes (at most its size), and how many of them count as shared already.
    */
   private async refreshVolume(id: string): Promise<{ allocated: number; shared: number }> {
-    const scan = await this.scanned();
+    await this.scanned(true); // under a freeze: the pool is not read again
     const st = await fs.stat(this.layout.volumeImage(id)).catch(() => undefined);
     if (!st) return { allocated: 0, shared: 0 };
     const shares = await this.shares();
-    this.recount(scan, id, (await this.termOf(id, shares)) ?? 0);
+    const term = (await this.termOf(id, shares)) ?? 0;
+    // Into the sum as it is now: another scan may have landed meanwhile.
+    if (this.scan) this.recount(this.scan, id, term);
     const allocated = Math.min(st.size, st.blocks * 512);
     return { allocated, shared: shares ? Math.min(allocated, await this.sharedOf(id, allocated)) : 0 };
   }
@@ -201,9 +206,9 @@ export class Capacity {
   }
 
   /** Reads the filesystem, then computes synchronously so concurrent reservations see each other. */
-  private async measure(): Promise<() => CapacityReport> {
+  private async measure(anyAge = false): Promise<() => CapacityReport> {
     const st = await fs.statfs(this.layout.root);
-    const scanned = (await this.scanned()).promised;
+    const scanned = (await this.scanned(anyAge)).promised;
     return () => {
       const totalBytes = st.blocks * st.bsize;
       const freeBytes = st.bavail * st.bsize;
@@ -232,8 +237,9 @@ export class Capacity {
     kind: Reservation,
     what: string,
     id?: string,
+    anyAge = false,
   ): Promise<(promisedAfter: number | undefined) => void> {
-    const report = (await this.measure())();
+    const report = (await this.measure(anyAge))();
     const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
     if (bytes > room) {
       throw noSpace(
@@ -254,7 +260,7 @@ export class Capacity {
 
   /**
    * Reserves room for a reflink of volume `sourceVolumeId` as it is now (the caller holds its lock, and
-   * its freeze): what its shared blocks grow by, which the copy then marks (markShared); nothing on a
+   * its freeze, so the pool is not scanned again: the caller reads the count before freezing): what its shared blocks grow by, which the copy then marks (markShared); nothing on a
    * pool that cannot reflink. Throws RESOURCE_EXHAUSTED when that does not fit. Either way the volume's
    * count is read again first, so what a pod wrote since the last scan is not counted twice. The
    * returned function settles the reservation.
@@ -263,15 +269,15 @@ export class Capacity {
     const shares = await this.shares();
     const { allocated, shared } = await this.refreshVolume(sourceVolumeId);
     if (!shares) return () => undefined;
-    const settle = await this.reserve(Math.max(0, allocated - shared), 'sparse', what);
+    const settle = await this.reserve(Math.max(0, allocated - shared), 'sparse', what, undefined, true);
     return () => {
       settle(undefined);
     };
   }
 
-  /** Reserves `bytes` of blocks a byte copy is about to take, or throws RESOURCE_EXHAUSTED. */
+  /** Reserves `bytes` of blocks a byte copy is about to take (under a freeze), or throws RESOURCE_EXHAUSTED. */
   async reserveBlocks(bytes: number, what: string): Promise<() => void> {
-    const settle = await this.reserve(bytes, 'preallocate', what);
+    const settle = await this.reserve(bytes, 'preallocate', what, undefined, true);
     return () => {
       settle(undefined);
     };

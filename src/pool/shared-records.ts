@@ -3,8 +3,10 @@
  * one, a volume on a pool that reflinks counts as sharing everything it holds: never less than it may,
  * but a pool of written volumes would then offer too little. A controller writes the missing records
  * when it starts: a volume that is the source of a snapshot or of a clone, or was made from one, may
- * share all its allocated bytes; any other shares none. Each under the volume's lock, taken only when
- * free (a create at work writes its own); a volume still being made is left to its create.
+ * share all its allocated bytes; any other shares none. Only when every record of the pool can say so
+ * (none damaged or quarantined, no restore from a snapshot deleted since); else none is written. Each
+ * under the volume's lock, taken only when free (a create at work writes its own); a volume still being
+ * made is left to its create.
  */
 import type { Logger } from 'pino';
 import { DomainError } from '../errors.js';
@@ -31,18 +33,31 @@ export async function recordSharing(pool: Pool, capacity: Capacity, stores: Shar
   ).filter((id): id is string => id !== undefined);
   if (missing.length === 0) return 0;
 
-  // Who may share: sources of snapshots and of clones, and what was made from a source.
+  // Who may share: sources of snapshots and of clones, and what was made from a source. Known only when
+  // every record says: a snapshot that cannot be read, or was quarantined, or was deleted after a
+  // restore from it (its source is then unknown), may share any volume's blocks. Then nothing is
+  // written, and every volume without a record keeps counting as sharing all.
   const sharing = new Set<string>();
-  await mapLimit((await listDir(l.snapshotsDir)).filter(isSnapshotId), 16, async (id) => {
+  let known = (await pool.quarantined()).length === 0;
+  const snapshots = new Set((await listDir(l.snapshotsDir)).filter(isSnapshotId));
+  await mapLimit([...snapshots], 16, async (id) => {
     const r = await stores.snapshots.inspect(id);
     if (r.state === 'ok') sharing.add(r.value.sourceVolumeId);
+    else known = false;
   });
   await mapLimit(volumes, 16, async (id) => {
     const r = await stores.volumes.inspect(id);
-    if (r.state !== 'ok' || r.value.contentSource === null) return;
+    if (r.state !== 'ok') {
+      known = false;
+      return;
+    }
+    const from = r.value.contentSource;
+    if (from === null) return;
     sharing.add(id);
-    if (r.value.contentSource.kind === 'volume') sharing.add(r.value.contentSource.id);
+    if (from.kind === 'volume') sharing.add(from.id);
+    else if (!snapshots.has(from.id)) known = false;
   });
+  if (!known) return 0;
 
   let written = 0;
   await mapLimit(missing, 16, async (id) => {

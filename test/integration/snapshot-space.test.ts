@@ -165,5 +165,14 @@ describe.skipIf(!isRoot())('snapshots and the pool space promised to volumes', (
     expect(await shared(other)).toBe(0);
     expect(Math.abs((await fresh(w)).availableBytes - recorded.availableBytes)).toBeLessThan(4 * MiB);
     expect(await recordSharing(w.pool, Capacity.of(w.pool, 1), w)).toBe(0);
+
+    // A restore from a snapshot deleted since: the snapshot's source is no longer known, so no volume
+    // can be said to share nothing. No record is written; all count as sharing everything.
+    const s2 = (await w.CreateSnapshot('restored-then-deleted', other)).snapshot?.snapshot_id ?? '';
+    await w.CreateVolume('restored', { bytes: 32 * MiB, caps: [blockCapability], source: fromSnapshot(s2) });
+    await w.snapshots.delete(s2);
+    await fs.rm(l.volumeShared(other));
+    expect(await recordSharing(w.pool, Capacity.of(w.pool, 1), w)).toBe(0);
+    await expect(fs.access(l.volumeShared(other))).rejects.toThrow(/ENOENT/);
   }, 120_000);
 });
