@@ -32,3 +32,31 @@ export async function orAfter<T>(p: Promise<T>, ms: number, late: () => T): Prom
     clearTimeout(timer);
   }
 }
+
+/** Something that runs again and again until stopped; `first` settles after the first run. */
+export interface Repeating {
+  readonly first: Promise<void>;
+  stop(): void;
+}
+
+/**
+ * Runs `fn` now, then `everyMs` after each run ends, until stopped. `fn` must not reject (it logs its
+ * own failures). The timer does not keep the process alive.
+ */
+export function repeat(everyMs: number, fn: (first: boolean) => Promise<void>): Repeating {
+  let stopped = false;
+  let timer: NodeJS.Timeout | undefined;
+  const schedule = (): void => {
+    if (stopped) return;
+    timer = setTimeout(() => void fn(false).finally(schedule), everyMs);
+    timer.unref();
+  };
+  const first = fn(true).finally(schedule);
+  return {
+    first,
+    stop() {
+      stopped = true;
+      if (timer) clearTimeout(timer);
+    },
+  };
+}

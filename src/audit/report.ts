@@ -6,6 +6,7 @@
 import type { Logger } from 'pino';
 import { bindExec, type Runner } from '../exec/runner.js';
 import type { Host } from '../host/host.js';
+import { repeat, type Repeating } from '../limit.js';
 import type { Pool } from '../pool/pool.js';
 import { DEFAULT_STALE_SECONDS, runCheck } from './check.js';
 import { type Finding, isProblem, summarize } from './findings.js';
@@ -27,19 +28,14 @@ export interface ReportOptions {
   everyMs?: number;
 }
 
-export interface Reporter {
-  /** The first look (tests wait for it). */
-  readonly first: Promise<void>;
-  stop(): void;
-}
+/** The reports; `first` settles after the first look (tests wait for it). */
+export type Reporter = Repeating;
 
 const WHERE = { pool: 'the pool', host: 'this host' } as const;
 
 export function startReports(o: ReportOptions): Reporter {
   const x = bindExec(o.runner, { log: o.log, deadline: Number.POSITIVE_INFINITY });
   const last = new Map<string, string>();
-  let stopped = false;
-  let timer: NodeJS.Timeout | undefined;
 
   const look = async (atStart: boolean): Promise<void> => {
     const scope = o.scopes.length === 2 ? 'all' : (o.scopes[0] ?? 'all');
@@ -73,19 +69,5 @@ export function startReports(o: ReportOptions): Reporter {
     look(atStart).catch((err: unknown) => {
       o.log.warn({ err }, 'loopvol check could not look at the pool or the host; trying again later');
     });
-  const schedule = (): void => {
-    if (stopped) return;
-    timer = setTimeout(() => {
-      void safely(false).finally(schedule);
-    }, o.everyMs ?? REPORT_EVERY_MS);
-    timer.unref();
-  };
-  const first = safely(true).finally(schedule);
-  return {
-    first,
-    stop() {
-      stopped = true;
-      if (timer) clearTimeout(timer);
-    },
-  };
+  return repeat(o.everyMs ?? REPORT_EVERY_MS, safely);
 }

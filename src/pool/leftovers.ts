@@ -14,20 +14,14 @@
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
-import { DomainError } from '../errors.js';
-import { mapLimit } from '../limit.js';
+import { mapLimit, repeat, type Repeating } from '../limit.js';
 import { listDir, type RecordRead } from './fsutil.js';
 import { isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
-import type { SnapshotMeta, VolumeMeta } from './types.js';
+import type { RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
 
 /** How often a controller looks for unfinished creations (longer than the lock lease, lock.ts). */
 export const DISCARD_EVERY_MS = 5 * 60_000;
-
-export interface LeftoverStores {
-  volumes: { inspect: (id: string) => Promise<RecordRead<VolumeMeta>> };
-  snapshots: { inspect: (id: string) => Promise<RecordRead<SnapshotMeta>> };
-}
 
 interface Kind {
   what: 'volume' | 'snapshot';
@@ -45,7 +39,7 @@ export class LeftoverSweeper {
 
   constructor(
     private readonly pool: Pool,
-    stores: LeftoverStores,
+    stores: RecordReaders,
     private readonly log: Logger,
   ) {
     const l = pool.layout;
@@ -93,23 +87,14 @@ export class LeftoverSweeper {
 
   /** Discards `id` under its lock if it is still as `expected`; false when held or changed. */
   private async discard(k: Kind, id: string, expected: string): Promise<boolean> {
-    try {
-      return await this.pool.withLock(
-        id,
-        'discard an unfinished creation',
-        async () => {
-          if ((await fingerprint(k, id)) !== expected) return false;
-          await this.pool.discard(k.dirOf(id));
-          this.log.warn({ [`${k.what}Id`]: id }, `discarded an unfinished ${k.what} creation a crash left`);
-          return true;
-        },
-        0,
-      );
-    } catch (err) {
-      // Held: a create at work right now, in this process or another. Its own to finish or clear.
-      if (err instanceof DomainError && err.kind === 'busy') return false;
-      throw err;
-    }
+    // Held: a create at work right now, in this process or another. Its own to finish or clear.
+    const done = await this.pool.withLockIfFree(id, 'discard an unfinished creation', async () => {
+      if ((await fingerprint(k, id)) !== expected) return false;
+      await this.pool.discard(k.dirOf(id));
+      this.log.warn({ [`${k.what}Id`]: id }, `discarded an unfinished ${k.what} creation a crash left`);
+      return true;
+    });
+    return done === true;
   }
 }
 
@@ -128,14 +113,12 @@ async function fingerprint(k: Kind, id: string): Promise<string | undefined> {
 /** Looks now and every `everyMs` until stopped; logs what it did. */
 export function startDiscarding(
   pool: Pool,
-  stores: LeftoverStores,
+  stores: RecordReaders,
   log: Logger,
   everyMs = DISCARD_EVERY_MS,
-): { first: Promise<void>; stop: () => void } {
+): Repeating {
   const sweeper = new LeftoverSweeper(pool, stores, log);
-  let stopped = false;
-  let timer: NodeJS.Timeout | undefined;
-  const once = (): Promise<void> =>
+  return repeat(everyMs, () =>
     sweeper.look().then(
       ({ discarded, waiting }) => {
         if (discarded.length > 0)
@@ -149,18 +132,6 @@ export function startDiscarding(
       (err: unknown) => {
         log.error({ err }, 'could not look for unfinished creations to discard; trying again later');
       },
-    );
-  const schedule = (): void => {
-    if (stopped) return;
-    timer = setTimeout(() => void once().finally(schedule), everyMs);
-    timer.unref();
-  };
-  const first = once().finally(schedule);
-  return {
-    first,
-    stop() {
-      stopped = true;
-      if (timer) clearTimeout(timer);
-    },
-  };
+    ),
+  );
 }

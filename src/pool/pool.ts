@@ -8,7 +8,7 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { busy, errnoCode, unavailable, unsafe } from '../errors.js';
+import { busy, DomainError, errnoCode, unavailable, unsafe } from '../errors.js';
 import { failpoint } from '../failpoints.js';
 import { telemetry } from '../telemetry.js';
 import {
@@ -265,6 +265,23 @@ export class Pool {
       return await fn(got);
     } finally {
       await got.release();
+    }
+  }
+
+  /**
+   * Runs `fn` holding `key`'s lock if nobody holds it now, without waiting; undefined when it is held
+   * (someone is at work on it: a look over the whole pool leaves it for later).
+   */
+  async withLockIfFree<T>(
+    key: string,
+    purpose: string,
+    fn: (lock: HeldLock) => Promise<T>,
+  ): Promise<T | undefined> {
+    try {
+      return await this.withLock(key, purpose, fn, 0);
+    } catch (err) {
+      if (err instanceof DomainError && err.kind === 'busy') return undefined;
+      throw err;
     }
   }
 

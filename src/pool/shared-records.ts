@@ -9,22 +9,16 @@
  * made is left to its create.
  */
 import type { Logger } from 'pino';
-import { DomainError } from '../errors.js';
 import { mapLimit } from '../limit.js';
 import type { Capacity } from './capacity.js';
-import { listDir, type RecordRead } from './fsutil.js';
+import { listDir } from './fsutil.js';
 import { isSnapshotId, isVolumeId } from './ids.js';
 import { allocatedBytes } from './images.js';
 import type { Pool } from './pool.js';
-import type { SnapshotMeta, VolumeMeta } from './types.js';
-
-export interface SharingStores {
-  volumes: { inspect: (id: string) => Promise<RecordRead<VolumeMeta>> };
-  snapshots: { inspect: (id: string) => Promise<RecordRead<SnapshotMeta>> };
-}
+import type { RecordReaders } from './types.js';
 
 /** Writes the missing records; returns how many it wrote. */
-export async function recordSharing(pool: Pool, capacity: Capacity, stores: SharingStores): Promise<number> {
+export async function recordSharing(pool: Pool, capacity: Capacity, stores: RecordReaders): Promise<number> {
   if (!(await pool.fs.canReflink().catch(() => false))) return 0;
   const l = pool.layout;
   const volumes = (await listDir(l.volumesDir)).filter(isVolumeId);
@@ -61,24 +55,17 @@ export async function recordSharing(pool: Pool, capacity: Capacity, stores: Shar
 
   let written = 0;
   await mapLimit(missing, 16, async (id) => {
-    try {
-      await pool.withLock(
-        id,
-        'record shared blocks',
-        async () => {
-          if (await capacity.hasSharedRecord(id)) return;
-          const r = await stores.volumes.inspect(id);
-          if (r.state !== 'ok' || r.value.state !== 'ready') return;
-          const allocated = sharing.has(id) ? await allocatedBytes(l.volumeImage(id)) : 0;
-          await capacity.markShared(id, Math.min(allocated, r.value.capacityBytes));
-          written++;
-        },
-        0,
-      );
-    } catch (err) {
-      if (!(err instanceof DomainError && err.kind === 'busy')) throw err;
-    }
+    // A volume whose lock is held keeps counting as sharing all.
+    await pool.withLockIfFree(id, 'record shared blocks', async () => {
+      if (await capacity.hasSharedRecord(id)) return;
+      const r = await stores.volumes.inspect(id);
+      if (r.state !== 'ok' || r.value.state !== 'ready') return;
+      const allocated = sharing.has(id) ? await allocatedBytes(l.volumeImage(id)) : 0;
+      await capacity.markShared(id, Math.min(allocated, r.value.capacityBytes));
+      written++;
+    });
   });
+
   return written;
 }
 
@@ -86,7 +73,7 @@ export async function recordSharing(pool: Pool, capacity: Capacity, stores: Shar
 export function startRecordingSharing(
   pool: Pool,
   capacity: Capacity,
-  stores: SharingStores,
+  stores: RecordReaders,
   log: Logger,
 ): void {
   recordSharing(pool, capacity, stores).then(

@@ -1,5 +1,5 @@
 /** The records a pool keeps on disk, and their parsers (a file written by hand or by an old release is checked, never trusted). */
-import { isRecord, isStringRecord } from './fsutil.js';
+import { isRecord, isStringRecord, type RecordRead } from './fsutil.js';
 
 export const FS_TYPES = ['ext4', 'xfs', 'btrfs'] as const;
 export type FsType = (typeof FS_TYPES)[number];
@@ -275,4 +275,10 @@ export function parseNodeRecord(v: unknown): NodeRecord | undefined {
   const { node, pool, maxVolumes, host, registeredAt } = v;
   if (!str(node) || !str(pool) || !num(maxVolumes) || !str(host) || !str(registeredAt)) return undefined;
   return { node, pool, maxVolumes, host, registeredAt };
+}
+
+/** Readers of the pool's volume and snapshot records: the stores, for what looks over the whole pool. */
+export interface RecordReaders {
+  volumes: { inspect: (id: string) => Promise<RecordRead<VolumeMeta>> };
+  snapshots: { inspect: (id: string) => Promise<RecordRead<SnapshotMeta>> };
 }
