@@ -326,7 +326,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
             target - Math.min(st.size, target),
             meta.allocation,
             `growing volume ${id}`,
-            id,
+            { id },
           );
           let grown = false;
           try {

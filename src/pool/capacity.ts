@@ -69,8 +69,8 @@ export class Capacity {
   /** Reservations for volumes being made: promises (sparse) and blocks about to be taken (preallocated). */
   private pendingPromise = 0;
   private pendingBlocks = 0;
-  /** Volumes' shared bytes as last read from their records, with when. */
-  private readonly shared = new Map<string, { bytes: number; at: number }>();
+  /** Volumes' shared bytes as last read from their records, with the version of the record read. */
+  private readonly shared = new Map<string, { bytes: number; version: string }>();
 
   /**
    * `sharesBlocks` says whether the pool's copies share blocks with their source (it reflinks); without
@@ -104,33 +104,55 @@ export class Capacity {
     return { promised: sum(terms.values()), startedAt, terms };
   }
 
-  /** What volume `id` promises now (undefined when it has no image), and its allocated bytes. */
+  /** What volume `id` promises now; undefined when it has no image. */
   private async termOf(id: string, shares: boolean): Promise<number | undefined> {
+    const v = await this.readVolume(id, shares);
+    return v && v.unwritten + v.shared;
+  }
+
+  /**
+   * Volume `id` as its image and its record of shared blocks show it now: its unwritten bytes, its
+   * allocated bytes (at most its size: XFS may show more), and how many of those count as shared (none
+   * on a pool that does not reflink). Undefined when it has no image.
+   */
+  private async readVolume(
+    id: string,
+    shares: boolean,
+  ): Promise<{ unwritten: number; allocated: number; shared: number } | undefined> {
     const st = await fs.stat(this.layout.volumeImage(id)).catch(() => undefined);
     if (!st) return undefined;
     const allocated = Math.min(st.size, st.blocks * 512);
     const shared = shares ? Math.min(allocated, await this.sharedOf(id, allocated)) : 0;
-    return volumePromise(st.size, st.blocks * 512) + shared;
+    return { unwritten: volumePromise(st.size, st.blocks * 512), allocated, shared };
   }
 
   /**
-   * Volume `id`'s shared bytes as its record says (read again after SCAN_TTL_MS). A volume without one
-   * (made before records were kept; recordSharing() writes them) or whose record cannot be read counts
-   * as sharing all of `allocated`.
+   * Volume `id`'s shared bytes as its record says. A volume without one (made before records were kept;
+   * recordSharing() writes them) or whose record cannot be read counts as sharing all of `allocated`.
+   * The record is read again only when it changed (every write is a rename: a new inode): each scan
+   * looks at it with one stat, and sees another controller's marks.
    */
   private async sharedOf(id: string, allocated: number): Promise<number> {
+    const file = this.layout.volumeShared(id);
+    const st = await fs.stat(file).catch(() => undefined);
+    if (!st) return allocated;
+    const version = `${st.ino}:${st.mtimeMs}:${st.size}`;
     const cached = this.shared.get(id);
-    if (cached && Date.now() - cached.at < SCAN_TTL_MS) return cached.bytes;
-    const r = await readRecord(this.layout.volumeShared(id), parseShared).catch(() => undefined);
-    const bytes = r?.state === 'ok' ? r.value : allocated;
-    this.shared.set(id, { bytes, at: Date.now() });
+    if (cached?.version === version) return cached.bytes;
+    const bytes = (await this.readShared(id)) ?? allocated;
+    this.shared.set(id, { bytes, version });
     return bytes;
+  }
+
+  /** Volume `id`'s record of shared bytes; undefined when it is missing or cannot be read. */
+  private async readShared(id: string): Promise<number | undefined> {
+    const r = await readRecord(this.layout.volumeShared(id), parseShared).catch(() => undefined);
+    return r?.state === 'ok' ? r.value : undefined;
   }
 
   /** Whether volume `id` has a record of its shared blocks (false also when it cannot be read). */
   async hasSharedRecord(id: string): Promise<boolean> {
-    const r = await readRecord(this.layout.volumeShared(id), parseShared).catch(() => undefined);
-    return r?.state === 'ok';
+    return (await this.readShared(id)) !== undefined;
   }
 
   /**
@@ -148,7 +170,6 @@ export class Capacity {
     // that replaces a smaller record must be: a crash must not bring the smaller one back.
     const replaces = r !== undefined && r.state !== 'absent';
     await writeFileAtomic(file, `${JSON.stringify({ bytes, at: new Date().toISOString() })}\n`, replaces);
-    this.shared.set(id, { bytes, at: Date.now() });
     const term = await this.termOf(id, true);
     if (this.scan && term !== undefined) this.recount(this.scan, id, term);
     return true;
@@ -178,14 +199,10 @@ export class Capacity {
    */
   private async refreshVolume(id: string): Promise<{ allocated: number; shared: number }> {
     await this.scanned(true); // under a freeze: the pool is not read again
-    const st = await fs.stat(this.layout.volumeImage(id)).catch(() => undefined);
-    if (!st) return { allocated: 0, shared: 0 };
-    const shares = await this.shares();
-    const term = (await this.termOf(id, shares)) ?? 0;
+    const v = await this.readVolume(id, await this.shares());
     // Into the sum as it is now: another scan may have landed meanwhile.
-    if (this.scan) this.recount(this.scan, id, term);
-    const allocated = Math.min(st.size, st.blocks * 512);
-    return { allocated, shared: shares ? Math.min(allocated, await this.sharedOf(id, allocated)) : 0 };
+    if (this.scan) this.recount(this.scan, id, v ? v.unwritten + v.shared : 0);
+    return { allocated: v?.allocated ?? 0, shared: v?.shared ?? 0 };
   }
 
   /** Counts `term` for volume `id` in place of whatever was counted for it (its scan term, its adjustments). */
@@ -230,14 +247,14 @@ export class Capacity {
   /**
    * Reserves `bytes` for volume `id` about to be made (or grown), or throws RESOURCE_EXHAUSTED. The
    * returned function settles the reservation: `promisedAfter` is what the change adds to the volume's
-   * promise (its unwritten size), or undefined when it was not made.
+   * promise (its unwritten size), or undefined when it was not made. `anyAge`: under a freeze, the
+   * cached count is used however old (the caller read it before freezing).
    */
   async reserve(
     bytes: number,
     kind: Reservation,
     what: string,
-    id?: string,
-    anyAge = false,
+    { id, anyAge = false }: { id?: string; anyAge?: boolean } = {},
   ): Promise<(promisedAfter: number | undefined) => void> {
     const report = (await this.measure(anyAge))();
     const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
@@ -259,17 +276,17 @@ export class Capacity {
   }
 
   /**
-   * Reserves room for a reflink of volume `sourceVolumeId` as it is now (the caller holds its lock, and
-   * its freeze, so the pool is not scanned again: the caller reads the count before freezing): what its shared blocks grow by, which the copy then marks (markShared); nothing on a
-   * pool that cannot reflink. Throws RESOURCE_EXHAUSTED when that does not fit. Either way the volume's
-   * count is read again first, so what a pod wrote since the last scan is not counted twice. The
-   * returned function settles the reservation.
+   * Reserves room for a reflink of volume `sourceVolumeId` as it is now (the caller holds its lock and
+   * its freeze, and read the count before freezing): what its shared blocks grow by, which the copy then
+   * marks (markShared); nothing on a pool that cannot reflink. Throws RESOURCE_EXHAUSTED when that does
+   * not fit. Either way the volume's count is read again first, so what a pod wrote since the last scan
+   * is not counted twice. The returned function settles the reservation.
    */
   async reserveSharing(sourceVolumeId: string, what: string): Promise<() => void> {
     const shares = await this.shares();
     const { allocated, shared } = await this.refreshVolume(sourceVolumeId);
     if (!shares) return () => undefined;
-    const settle = await this.reserve(Math.max(0, allocated - shared), 'sparse', what, undefined, true);
+    const settle = await this.reserve(Math.max(0, allocated - shared), 'sparse', what, { anyAge: true });
     return () => {
       settle(undefined);
     };
@@ -277,14 +294,14 @@ export class Capacity {
 
   /** Reserves `bytes` of blocks a byte copy is about to take (under a freeze), or throws RESOURCE_EXHAUSTED. */
   async reserveBlocks(bytes: number, what: string): Promise<() => void> {
-    const settle = await this.reserve(bytes, 'preallocate', what, undefined, true);
+    const settle = await this.reserve(bytes, 'preallocate', what, { anyAge: true });
     return () => {
       settle(undefined);
     };
   }
 
   /** Records a change in promised bytes made by this process, to volume `id` when it says. */
-  adjust(bytes: number, id?: string): void {
+  private adjust(bytes: number, id?: string): void {
     this.adjustments.push({ at: Date.now(), bytes, id });
   }
 }

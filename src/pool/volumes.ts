@@ -114,7 +114,7 @@ export class VolumeStore extends VolumeFences {
         meta.capacityBytes,
         meta.allocation === 'preallocate' ? 'preallocate' : 'sparse',
         `volume ${meta.name}`,
-        id,
+        { id },
       );
       let promisedAfter: number | undefined;
       try {
