@@ -40,15 +40,8 @@ async function writeTemp(file: string, data: string, sync: boolean): Promise<str
  * (fsync of the file before the rename and of the directory after it). A non-durable write is for
  * states a crash may lose without harm.
  */
-export async function writeFileAtomic(file: string, data: string, durable = true): Promise<void> {
-  const tmp = await writeTemp(file, data, durable);
-  try {
-    await fs.rename(tmp, file);
-  } catch (err) {
-    await fs.rm(tmp, { force: true });
-    throw err;
-  }
-  if (durable) await fsyncDir(path.dirname(file));
+export function writeFileAtomic(file: string, data: string, durable = true): Promise<void> {
+  return writeFilesAtomic([{ file, data }], durable);
 }
 
 /** A file to write, and what it holds. */
@@ -58,13 +51,13 @@ export interface NewFile {
 }
 
 /**
- * Replaces several files atomically and durably, each as writeFileAtomic does, and makes them appear
- * in the order given: the temp files are written and synced side by side (the slow part), then renamed
- * one after the other, then their directories synced one after the other. A crash leaves each file old
- * or new, and a later file new only if every earlier one is.
+ * Replaces several files atomically, and unless `durable` is false durably, making them appear in the
+ * order given: the temp files are written (and synced) side by side, the slow part, then renamed one
+ * after the other, then their directories synced one after the other. A crash leaves each file old or
+ * new, and (durably written) a later file new only if every earlier one is.
  */
-export async function writeFilesAtomic(files: readonly NewFile[]): Promise<void> {
-  const written = await Promise.allSettled(files.map((f) => writeTemp(f.file, f.data, true)));
+export async function writeFilesAtomic(files: readonly NewFile[], durable = true): Promise<void> {
+  const written = await Promise.allSettled(files.map((f) => writeTemp(f.file, f.data, durable)));
   const temps = written.flatMap((w) => (w.status === 'fulfilled' ? [w.value] : []));
   const failed = written.find((w): w is PromiseRejectedResult => w.status === 'rejected');
   let renamed = 0;
@@ -78,6 +71,7 @@ export async function writeFilesAtomic(files: readonly NewFile[]): Promise<void>
     await Promise.all(temps.slice(renamed).map((t) => fs.rm(t, { force: true })));
     throw err;
   }
+  if (!durable) return;
   // In order too: a filesystem that logs each directory's sync on its own (btrfs) keeps a later rename
   // only once the earlier ones are kept.
   for (const dir of new Set(files.map((f) => path.dirname(f.file)))) await fsyncDir(dir);
