@@ -7,6 +7,7 @@ import type { CapacityRange__Output } from '../gen/csi/v1/CapacityRange.js';
 import type { TopologyRequirement__Output } from '../gen/csi/v1/TopologyRequirement.js';
 import type { VolumeCapability__Output } from '../gen/csi/v1/VolumeCapability.js';
 import { aborted, type CsiError, invalidArgument, outOfRange } from '../errors.js';
+import { normalPath } from '../host/paths.js';
 import { type Capability, FS_TYPES, type FsType, isAccessMode, isFsType } from '../pool/types.js';
 
 export const TOPOLOGY_KEY = 'loopvol.csi.io/pool';
@@ -38,7 +39,7 @@ export function requirePath(value: string, field: string): string {
   if (value.length > 4095 || value.split('/').some((part) => Buffer.byteLength(part) > 255)) {
     throw invalidArgument(`${field} is longer than a Linux path may be.`);
   }
-  return path.normalize(value);
+  return normalPath(value);
 }
 
 /** An int64 field that arrives as a decimal string. */

@@ -48,6 +48,7 @@ import {
   type FileId,
   fileId,
   fileSize,
+  holdsEntries,
   isClaimed,
   makeDir,
   type PathKind,
@@ -64,6 +65,8 @@ export interface Host {
   fileSizeOf(p: string): Promise<number>;
   canonicalPath(p: string): Promise<string>;
   pathKind(p: string): Promise<PathKind>;
+  /** True when `p` is a directory holding anything. */
+  holdsEntries(p: string): Promise<boolean>;
   makeDir(p: string): Promise<void>;
   /** Creates an empty file unless something is there; true when it made it. */
   createFile(p: string): Promise<boolean>;
@@ -117,6 +120,7 @@ export const kernelHost: Host = {
   fileSizeOf: fileSize,
   canonicalPath,
   pathKind,
+  holdsEntries,
   makeDir,
   createFile,
   removeCreated,

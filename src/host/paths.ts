@@ -37,6 +37,15 @@ export async function fileId(p: string): Promise<FileId | undefined> {
 }
 
 /**
+ * `p` normalized and without a trailing slash: lstat of "link/" follows the link, so a symlink there
+ * would pass for the directory it points to.
+ */
+export function normalPath(p: string): string {
+  const normal = path.normalize(p);
+  return normal.length > 1 ? normal.replace(/\/+$/, '') : normal;
+}
+
+/**
  * An absolute, normalized path with symlinks in its existing part resolved, so it compares equal to
  * what mountinfo shows. The path itself need not exist.
  */
@@ -70,6 +79,23 @@ export async function pathKind(p: string): Promise<PathKind> {
   if (st.isDirectory()) return 'directory';
   if (st.isFile()) return st.size === 0 ? 'empty-file' : 'file';
   return 'other';
+}
+
+/** True when `p` is a directory holding anything: a mount there would hide it. */
+export async function holdsEntries(p: string): Promise<boolean> {
+  let dir;
+  try {
+    dir = await fs.opendir(p);
+  } catch (err) {
+    const code = errnoCode(err);
+    if (code === 'ENOENT' || code === 'ENOTDIR') return false;
+    throw err;
+  }
+  try {
+    return (await dir.read()) !== null;
+  } finally {
+    await dir.close();
+  }
 }
 
 /** The size in bytes of the file `p` names. */

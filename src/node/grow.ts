@@ -108,3 +108,30 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   }
   return size;
 }
+
+/**
+ * Checks an existing filesystem before it is mounted writable and grows an ext4 that is smaller than
+ * its device (offline growth needs no CAP_SYS_RESOURCE, so every stage makes up for a failed online
+ * grow). Returns true when an xfs or btrfs must be grown once mounted.
+ */
+export async function checkAndGrowOffline(
+  d: NodeDeps,
+  x: Exec,
+  id: string,
+  fsType: FsType,
+  loop: LoopDevice,
+): Promise<boolean> {
+  await d.host.check(x, fsType, loop.path);
+  const size = await d.host.filesystemSize(fsType, loop.path);
+  const small = size !== undefined && size < loop.sizeBytes - growthSlack(loop.sizeBytes);
+  if (!small || fsType !== 'ext4') return small;
+  await d.host.growOffline(x, loop.path);
+  const grown = await d.host.filesystemSize('ext4', loop.path);
+  if (grown === undefined || grown < loop.sizeBytes - growthSlack(loop.sizeBytes)) {
+    throw broken(
+      `resize2fs left the ext4 filesystem of volume ${id} at ${grown ?? 'an unreadable size'} on a ${loop.sizeBytes}-byte device.`,
+    );
+  }
+  x.log.info({ device: loop.path, from: size, to: grown }, 'grew ext4 filesystem before mounting');
+  return false;
+}

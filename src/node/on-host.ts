@@ -12,7 +12,7 @@ import { conflict, invalid, missing } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
 import { type FileId, type Host, type LoopDevice, type MountEntry } from '../host/host.js';
 import { backingName } from '../host/loop.js';
-import { sameFile } from '../host/paths.js';
+import { normalPath, sameFile } from '../host/paths.js';
 import { isVolumeId } from '../pool/ids.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import type { FencedEntry, NodeRegistry } from '../pool/nodes.js';
@@ -204,10 +204,10 @@ export async function callerPath(d: NodeDeps, p: string, field: string): Promise
 }
 
 /**
- * Refuses a target path inside a mounted volume (a staging, or a pod's bind of one) or holding one
- * beneath it, or that is the volume's own staging path: publishing there would hide another volume's
- * files or expose this one's in another volume's tree, and unpublishing would unmount or remove what is
- * not the pod's. Volumes of any pool count (loop devices backed by an image file of ours), known by the
+ * Refuses a target (or staging) path inside a mounted volume (a staging, or a pod's bind of one) or
+ * holding one beneath it, or a target that is the volume's own staging path: mounting there would hide
+ * another volume's files or expose this one's in another volume's tree (where its pod could swap the
+ * path for a symlink), and unmounting would unmount or remove what is not the pod's. Volumes of any pool count (loop devices backed by an image file of ours), known by the
  * mount's device number or its source (btrfs shows an anonymous device number, not the loop's). A
  * mount at or above the kubelet's directory is the host's, not a volume staged here (a kubelet whose
  * root is itself on such a volume, as in a cluster nested in a pod).
@@ -215,11 +215,14 @@ export async function callerPath(d: NodeDeps, p: string, field: string): Promise
 export function checkTargetPlace(
   on: OnHost,
   target: string,
-  staging: string | undefined,
-  kubeletDir?: string,
+  {
+    field = 'target_path',
+    staging,
+    kubeletDir,
+  }: { field?: string; staging?: string | undefined; kubeletDir?: string | undefined },
 ): void {
   if (target === staging)
-    throw invalid(`target_path ${target} is the volume's staging path; a pod's path is another one.`);
+    throw invalid(`${field} ${target} is the volume's staging path; a pod's path is another one.`);
   const volumeLoops = on.allLoops.filter((l) => backingName(l) === IMAGE_FILE);
   const numbers = new Set(volumeLoops.map((l) => l.majorMinor));
   const sources = new Set(volumeLoops.map((l) => l.path));
@@ -236,12 +239,12 @@ export function checkTargetPlace(
       undefined,
     );
   if (holding && isVolume(holding))
-    throw invalid(`target_path ${target} lies inside a mounted volume (at ${holding.mountPoint}).`);
+    throw invalid(`${field} ${target} lies inside a mounted volume (at ${holding.mountPoint}).`);
   const beneath = on.mounts.find(
     (m) => m.mountPoint !== target && within(m.mountPoint, target) && isVolume(m),
   );
   if (beneath)
-    throw invalid(`target_path ${target} holds a mounted volume beneath it (at ${beneath.mountPoint}).`);
+    throw invalid(`${field} ${target} holds a mounted volume beneath it (at ${beneath.mountPoint}).`);
 }
 
 /**
@@ -249,7 +252,7 @@ export function checkTargetPlace(
  * (it creates directories and empty files), and removing what it resolves to would remove another file.
  */
 export async function isSymlinkPath(d: NodeDeps, p: string): Promise<boolean> {
-  return (await d.host.pathKind(path.normalize(p))) === 'symlink';
+  return (await d.host.pathKind(normalPath(p))) === 'symlink';
 }
 
 export async function mustGetVolume(d: NodeDeps, id: string): Promise<VolumeMeta> {

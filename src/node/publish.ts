@@ -99,7 +99,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));
   const options = bindOptions(readOnly, stagedMount, r.cap.mountFlags);
-  checkTargetPlace(on, target, staging, d.kubeletDir);
+  checkTargetPlace(on, target, { staging, kubeletDir: d.kubeletDir });
 
   // Already published at this target?
   const existing = on.mounts.filter((m) => m.mountPoint === target).at(-1);
@@ -152,6 +152,8 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     } else if ((await d.host.pathKind(target)) === 'absent') {
       await d.host.makeDir(target);
       undo.push(() => d.host.removeCreated(target));
+    } else if (await d.host.holdsEntries(target)) {
+      throw conflict(`${target} holds files; a volume is never mounted over them (they would be hidden).`);
     }
     await pausepoint('publish:prepared');
     undo.push((cx) => unmountIfOurs(d, cx, r.id, target));
@@ -213,7 +215,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   const on = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   const lease = await d.volumes.lease(r.id, d.nodeId);
-  checkTargetPlace(on, target, lease?.stagingPath, d.kubeletDir);
+  checkTargetPlace(on, target, { staging: lease?.stagingPath, kubeletDir: d.kubeletDir });
   const { ours, foreign } = symlink ? { ours: [], foreign: [] } : classifyAt(on, target);
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
   let table = on.mounts;

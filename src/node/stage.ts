@@ -10,21 +10,22 @@
  * Every step the call took is undone when a later one fails, or when the caller gives up (cancelled,
  * or past its deadline): the undo runs detached from the caller's cancellation.
  */
-import { conflict, mismatch, broken } from '../errors.js';
+import { broken, conflict, invalid, mismatch } from '../errors.js';
 import { checkpoint, detached, type Exec } from '../exec/runner.js';
 import { failpoint, pausepoint } from '../failpoints.js';
-import { growthSlack } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
 import { prepareFilesystem } from './format.js';
-import { growMounted } from './grow.js';
+import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
   callerPath,
+  checkTargetPlace,
   classifyAt,
   fencedDevices,
   fencedError,
   isDeviceBind,
+  isSymlinkPath,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -78,12 +79,23 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     );
   }
   const staging = await callerPath(d, r.staging, 'staging_target_path');
+  if (await isSymlinkPath(d, r.staging))
+    throw invalid(
+      `staging_target_path ${r.staging} is a symbolic link; the driver stages on a path it creates.`,
+    );
   const readOnly = isReaderOnly(r.cap.mode);
   const on = await lookAtHost(d, x, r.id);
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;
+  checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });
+  // Nothing is mounted at the staging path here (alreadyStaged saw to it): files in its directory
+  // would be hidden under the volume, and are not the driver's.
+  if (r.cap.accessType === 'mount' && (await d.host.holdsEntries(staging)))
+    throw conflict(
+      `staging_target_path ${staging} holds files; a volume is never mounted over them (they would be hidden).`,
+    );
 
   // A loop device of this image that nothing uses is a leftover of an interrupted call: reused when it
   // is attached the right way round, detached otherwise. One in use is another staging's.
@@ -96,6 +108,18 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // twice, two filesystems on one disk.
   const sameWay = mine.filter((l) => l.readOnly === readOnly);
   const usable = [...sameWay.filter(inUse), ...sameWay.filter((l) => !inUse(l))];
+  if (r.cap.accessType === 'mount' && usable.length > 1 && !usable.some(inUse)) {
+    // Several devices and none mounted here: one a filesystem holds (mounted in a namespace this
+    // plugin cannot see) is that live filesystem, the one to mount again. Checking and mounting another
+    // would run a second filesystem on the same disk.
+    const held: LoopDevice[] = [];
+    for (const l of usable) if (await d.host.claimed(l.path)) held.push(l);
+    if (held.length > 1)
+      throw conflict(
+        `Volume ${r.id} is held by filesystems on several devices (${held.map((l) => l.path).join(', ')}) with no mount on this host; it is left alone.`,
+      );
+    if (held[0]) usable.sort((a, b) => Number(b === held[0]) - Number(a === held[0]));
+  }
   // Reused live only by a request of the same kind: a raw block stage never gets a device under a
   // filesystem (mounted here, or held in a namespace this plugin cannot see), a filesystem stage never
   // mounts a device a pod uses raw.
@@ -133,6 +157,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     readonly: readOnly,
     since: new Date().toISOString(),
     bootId: d.bootId,
+    ...(r.cap.accessType === 'mount' ? { mountFlags: r.cap.mountFlags } : {}),
   };
   const previous = await d.volumes.takeLease(r.id, lease);
   if (previous && previous.stagingPath !== staging) {
@@ -246,6 +271,12 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   }
 }
 
+/** The same mount flags, in any order, `ro` and `rw` aside (the access mode and the mount decide those). */
+function sameFlags(a: readonly string[], b: readonly string[]): boolean {
+  const set = (xs: readonly string[]) => [...new Set(xs.filter((f) => f !== 'ro' && f !== 'rw'))].sort();
+  return set(a).join('\0') === set(b).join('\0');
+}
+
 /** A loop device as attached: its name and the backing file's path as sysfs shows it. */
 const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;
 
@@ -312,6 +343,12 @@ async function alreadyStaged(
           `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
         );
       }
+      const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;
+      if (recorded !== undefined && !sameFlags(recorded, cap.mountFlags)) {
+        throw mismatch(
+          `Volume ${r.id} is already staged at ${staging} with mount flags [${recorded.join(',')}], not [${cap.mountFlags.join(',')}]; unstage it to change them.`,
+        );
+      }
       await d.volumes.takeLease(r.id, {
         node: d.nodeId,
         stagingPath: staging,
@@ -320,6 +357,7 @@ async function alreadyStaged(
         readonly: readOnly,
         since: new Date().toISOString(),
         bootId: d.bootId,
+        ...(recorded === undefined ? {} : { mountFlags: recorded }),
       });
       return true;
     }
@@ -340,32 +378,5 @@ async function alreadyStaged(
   if (ownLease.accessType !== cap.accessType) {
     throw mismatch(`Volume ${r.id} is already staged at ${staging} for ${ownLease.accessType} access.`);
   }
-  return false;
-}
-
-/**
- * Checks an existing filesystem before it is mounted writable and grows an ext4 that is smaller than
- * its device (offline growth needs no CAP_SYS_RESOURCE, so every stage makes up for a failed online
- * grow). Returns true when an xfs or btrfs must be grown once mounted.
- */
-async function checkAndGrowOffline(
-  d: NodeDeps,
-  x: Exec,
-  id: string,
-  fsType: FsType,
-  loop: LoopDevice,
-): Promise<boolean> {
-  await d.host.check(x, fsType, loop.path);
-  const size = await d.host.filesystemSize(fsType, loop.path);
-  const small = size !== undefined && size < loop.sizeBytes - growthSlack(loop.sizeBytes);
-  if (!small || fsType !== 'ext4') return small;
-  await d.host.growOffline(x, loop.path);
-  const grown = await d.host.filesystemSize('ext4', loop.path);
-  if (grown === undefined || grown < loop.sizeBytes - growthSlack(loop.sizeBytes)) {
-    throw broken(
-      `resize2fs left the ext4 filesystem of volume ${id} at ${grown ?? 'an unreadable size'} on a ${loop.sizeBytes}-byte device.`,
-    );
-  }
-  x.log.info({ device: loop.path, from: size, to: grown }, 'grew ext4 filesystem before mounting');
   return false;
 }

@@ -7,9 +7,12 @@ import { errnoCode, missing } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
 import type { VolumeCondition } from '../gen/csi/v1/VolumeCondition.js';
 import type { VolumeUsage } from '../gen/csi/v1/VolumeUsage.js';
+import { backingName } from '../host/loop.js';
+import { IMAGE_FILE } from '../pool/layout.js';
 import {
   callerPath,
   isDeviceBind,
+  isBackedBy,
   isLoopMount,
   loopOfMount,
   lookAtHost,
@@ -49,7 +52,11 @@ export async function volumeStats(
   }
   const loop = loopOfMount(top, on.loops);
   if (!loop) {
-    if (!isLoopMount(top)) throw notHere;
+    // Not a loop device, or one of another volume's image (by the path it shows): not this volume's
+    // path. One whose image was replaced or deleted under it is this volume's, abnormal.
+    const device = loopOfMount(top, on.allLoops);
+    const another = device && backingName(device) === IMAGE_FILE && !isBackedBy(device, r.id, undefined);
+    if (!isLoopMount(top) || another) throw notHere;
     return {
       usage: [],
       condition: abnormal(

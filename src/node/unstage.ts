@@ -15,10 +15,12 @@ import {
   fencedError,
   foreignMountError,
   isDeviceBind,
+  isSymlinkPath,
   loopOfMount,
   lookAtHost,
   type NodeDeps,
   othersLoops,
+  stagingLoop,
 } from './on-host.js';
 
 export interface UnstageRequest {
@@ -29,6 +31,10 @@ export interface UnstageRequest {
 export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Promise<void> {
   if (!isVolumeId(r.id)) throw missing(`Volume ${r.id} does not exist.`);
   const staging = await callerPath(d, r.staging, 'staging_target_path');
+  if (await isSymlinkPath(d, r.staging))
+    throw conflict(
+      `staging_target_path ${r.staging} is a symbolic link, which the driver never creates; it was left in place.`,
+    );
   const on = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   // A volume the pool does not show, on a pool that is not there: nothing here is touched, since its
@@ -38,6 +44,12 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   const atStaging = on.mounts.filter((m) => m.mountPoint === staging);
   if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)
     throw missing(`Volume ${r.id} does not exist.`);
+  if (lease && lease.stagingPath !== staging && stagingLoop(on.loops, lease, on.mounts)) {
+    // Staged, and live, at another path: not staged at this one, which the spec answers OK. What is
+    // there (a pod's bind of it, say) and the staging are left alone.
+    x.log.info({ staging, stagedAt: lease.stagingPath }, 'not staged at this path; nothing to undo');
+    return;
+  }
 
   // Loop devices of other nodes' stagings (several node plugins on one host) are not ours to judge or detach.
   const others = await othersLoops(d, on);

@@ -100,6 +100,8 @@ export interface Lease {
   revokedAt?: string;
   /** When the node confirmed it stopped writing (froze the filesystem, or had nothing mounted). */
   fencedAt?: string;
+  /** The mount flags it was staged with (not in leases of older releases). */
+  mountFlags?: string[];
 }
 
 export interface SnapshotMeta {
@@ -209,12 +211,14 @@ export function parseAttachment(v: unknown): Attachment | undefined {
 export function parseLease(v: unknown): Lease | undefined {
   if (!isRecord(v)) return undefined;
   const { node, stagingPath, accessType, mode, readonly, since, device, bootId, revokedAt, fencedAt } = v;
+  const { mountFlags } = v;
   if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
   if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
   if (device !== undefined && !(str(device) && /^loop\d+$/.test(device))) return undefined;
   if (bootId !== undefined && !str(bootId)) return undefined;
   if ((revokedAt !== undefined && !str(revokedAt)) || (fencedAt !== undefined && !str(fencedAt)))
     return undefined;
+  if (mountFlags !== undefined && !(Array.isArray(mountFlags) && mountFlags.every(str))) return undefined;
   return {
     node,
     stagingPath,
@@ -226,6 +230,7 @@ export function parseLease(v: unknown): Lease | undefined {
     ...(bootId === undefined ? {} : { bootId }),
     ...(revokedAt === undefined ? {} : { revokedAt }),
     ...(fencedAt === undefined ? {} : { fencedAt }),
+    ...(mountFlags === undefined ? {} : { mountFlags }),
   };
 }
 

@@ -113,6 +113,11 @@ export class FakeHost implements Host {
     this.nodes.set(p, node);
   }
 
+  /** Removes everything beneath directory `p` (not `p` itself). */
+  emptyDir(p: string): void {
+    for (const k of [...this.nodes.keys()]) if (k.startsWith(`${p}/`)) this.nodes.delete(k);
+  }
+
   /** A mount of something that is no volume (a tmpfs, another driver's disk). */
   addForeignMount(mountPoint: string, source = 'tmpfs', fsType = 'tmpfs'): MountEntry {
     return this.push({ root: '/', mountPoint, options: ['rw'], fsType, source, superOptions: ['rw'] });
@@ -153,6 +158,13 @@ export class FakeHost implements Host {
 
   pathKind(p: string): Promise<PathKind> {
     return Promise.resolve(this.kindOf(p));
+  }
+
+  holdsEntries(p: string): Promise<boolean> {
+    const prefix = p === '/' ? '/' : `${p}/`;
+    return Promise.resolve(
+      this.kindOf(p) === 'directory' && [...this.nodes.keys()].some((k) => k.startsWith(prefix)),
+    );
   }
 
   async makeDir(p: string): Promise<void> {

@@ -366,7 +366,7 @@ describe('a stage that fails undoes what it did', () => {
     const w = await world();
     const kubelet = '/var/lib/kubelet';
     const outer = (await newVolume(w)).id; // the nested cluster's /var/lib/kubelet, a volume of a pool here
-    w.host.addPath(kubelet);
+    w.host.emptyDir(kubelet); // what the nested kubelet makes there is on that volume
     await stageVolume(w.d, w.x, {
       id: outer,
       staging: kubelet,
@@ -374,12 +374,22 @@ describe('a stage that fails undoes what it did', () => {
       publishPool: undefined,
       poolId: undefined,
     });
+    w.host.addPath(STAGING);
+    w.host.addPath(path.dirname(TARGET));
     const { id } = await newVolume(w);
-    await stage(w, id); // STAGING lies beneath the kubelet's root
+    // STAGING lies beneath the kubelet's root: inside a mounted volume, unless that is the kubelet's.
+    const stageRefused = await codeOf(stage(w, id));
+    w.d.kubeletDir = kubelet;
+    await stage(w, id);
+    w.d.kubeletDir = undefined;
     const refused = await codeOf(publish(w, id));
     w.d.kubeletDir = kubelet;
     const published = await codeOf(publish(w, id));
-    expect({ refused, published }).toEqual({ refused: 'INVALID_ARGUMENT', published: 'OK' });
+    expect({ stageRefused, refused, published }).toEqual({
+      stageRefused: 'INVALID_ARGUMENT',
+      refused: 'INVALID_ARGUMENT',
+      published: 'OK',
+    });
   });
 
   it('a pool replaced by another is never read as "volume gone" nor as "never formatted"', async () => {

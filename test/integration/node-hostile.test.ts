@@ -1,0 +1,258 @@
+/**
+ * Node calls a hostile caller or a confused host can make (root only, real loop devices and mounts),
+ * from a review that reproduced each against the driver as it was: a trailing slash that took a
+ * symlink past the guard, staging paths that were symlinks or lay inside a pod's volume, mounts over
+ * files, an unstage at a path the volume is not staged at, a second device of an image whose
+ * filesystem is live in a mount namespace the plugin cannot see, re-stages with other mount flags, and
+ * stats asked of another volume's path. Every test checks what must have stayed as it was.
+ */
+import { execFileSync, spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
+import { codeOf } from '../helpers/grpc.js';
+import { isMounted, isRoot, MiB } from '../helpers/host.js';
+import { createVolume, publish, stage } from '../helpers/volumes.js';
+
+const env = new TestEnv();
+afterAll(async () => {
+  expect(await env.teardown()).toEqual([]);
+});
+
+const sh = (cmd: string, args: string[]): string =>
+  execFileSync(cmd, args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+
+describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
+  let d: DriverProcess;
+  let base: string;
+  beforeAll(async () => {
+    base = await env.dir('hostile');
+    d = await env.driver({ dir: base });
+  });
+  const p = (...parts: string[]): string => path.join(base, ...parts);
+  const unstage = (id: string, staging: string) =>
+    d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+  const unpublish = (id: string, target: string) =>
+    d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+
+  it('a trailing slash takes no symlink past publish or unpublish: the other pod and the host directory stay', async () => {
+    const cap = mountCap('ext4');
+    const { id } = await createVolume(d, 'slash', cap, 32 * MiB);
+    await stage(d, id, p('slash-st'), cap);
+    await publish(d, id, p('slash-st'), p('pods', 'b', 'mnt'), cap);
+    await fs.mkdir(p('pods', 'c'), { recursive: true });
+    await fs.symlink(p('pods', 'b', 'mnt'), p('pods', 'c', 'mnt'));
+    await fs.mkdir(p('victim'));
+    await fs.writeFile(p('victim', 'important'), 'keep');
+    await fs.mkdir(p('pods', 'd'), { recursive: true });
+    await fs.symlink(p('victim'), p('pods', 'd', 'mnt'));
+
+    const unpub = await codeOf(unpublish(id, `${p('pods', 'c', 'mnt')}/`));
+    const pub = await codeOf(
+      d.clients.node.NodePublishVolume({
+        volume_id: id,
+        staging_target_path: p('slash-st'),
+        target_path: `${p('pods', 'd', 'mnt')}//`,
+        volume_capability: cap,
+      }),
+    );
+    const after = {
+      unpub,
+      pub,
+      podB: await isMounted(p('pods', 'b', 'mnt')),
+      victimMounted: await isMounted(p('victim')),
+      victim: await fs.readdir(p('victim')),
+    };
+    await unpublish(id, p('pods', 'b', 'mnt'));
+    await unstage(id, p('slash-st'));
+    expect(after).toEqual({
+      unpub: 'FAILED_PRECONDITION',
+      pub: 'INVALID_ARGUMENT',
+      podB: true,
+      victimMounted: false,
+      victim: ['important'],
+    });
+  });
+
+  it('a staging path that is a symlink, lies inside a pod volume, or holds files is refused, all left as it was', async () => {
+    const cap = mountCap('ext4');
+    const outer = await createVolume(d, 'outer', cap, 32 * MiB);
+    await stage(d, outer.id, p('outer-st'), cap);
+    await publish(d, outer.id, p('outer-st'), p('pods', 'x', 'mnt'), cap);
+    const { id } = await createVolume(d, 'inner', cap, 32 * MiB);
+    await fs.mkdir(p('victim2'));
+    await fs.writeFile(p('victim2', 'hostfile'), 'keep');
+    await fs.symlink(p('victim2'), p('st-link'));
+    await fs.mkdir(p('full-st'));
+    await fs.writeFile(p('full-st', 'left'), 'keep');
+    const codes = {
+      symlink: await codeOf(stage(d, id, p('st-link'), cap)),
+      symlinkSlash: await codeOf(stage(d, id, `${p('st-link')}/`, cap)),
+      insideVolume: await codeOf(stage(d, id, p('pods', 'x', 'mnt', 'sub'), cap)),
+      holdsFiles: await codeOf(stage(d, id, p('full-st'), cap)),
+      unstageSymlink: await codeOf(unstage(outer.id, p('st-link'))),
+    };
+    const after = {
+      codes,
+      victim2: await fs.readdir(p('victim2')),
+      victim2Mounted: await isMounted(p('victim2')),
+      full: await fs.readdir(p('full-st')),
+      fullMounted: await isMounted(p('full-st')),
+      inPodVolume: (await fs.readdir(p('pods', 'x', 'mnt'))).sort(),
+      subMounted: await isMounted(p('pods', 'x', 'mnt', 'sub')),
+    };
+    // A target that holds files is refused the same way.
+    await fs.mkdir(p('pods', 'y', 'mnt'), { recursive: true });
+    await fs.writeFile(p('pods', 'y', 'mnt', 'left'), 'keep');
+    const target = await codeOf(publish(d, outer.id, p('outer-st'), p('pods', 'y', 'mnt'), cap));
+    const targetMounted = await isMounted(p('pods', 'y', 'mnt'));
+    await unpublish(outer.id, p('pods', 'x', 'mnt'));
+    await unstage(outer.id, p('outer-st'));
+    expect({ ...after, target, targetMounted }).toEqual({
+      codes: {
+        symlink: 'INVALID_ARGUMENT',
+        symlinkSlash: 'INVALID_ARGUMENT',
+        insideVolume: 'INVALID_ARGUMENT',
+        holdsFiles: 'FAILED_PRECONDITION',
+        unstageSymlink: 'FAILED_PRECONDITION',
+      },
+      victim2: ['hostfile'],
+      victim2Mounted: false,
+      full: ['left'],
+      fullMounted: false,
+      inPodVolume: ['lost+found', 'sub'],
+      subMounted: false,
+      target: 'FAILED_PRECONDITION',
+      targetMounted: false,
+    });
+  });
+
+  it('an unstage at a path the volume is not staged at answers OK and leaves the staging whole', async () => {
+    const block = await createVolume(d, 'blk', blockCap(), 16 * MiB);
+    await stage(d, block.id, p('blk-st'), blockCap());
+    const devices = () => sh('losetup', ['--associated', block.image, '--noheadings', '--output', 'NAME']);
+    const before = devices();
+    const wrongBlock = await codeOf(unstage(block.id, p('elsewhere')));
+    const stillAttached = devices();
+    const published = await codeOf(publish(d, block.id, p('blk-st'), p('pods', 'blk', 'dev'), blockCap()));
+    await unpublish(block.id, p('pods', 'blk', 'dev'));
+    await unstage(block.id, p('blk-st'));
+
+    // A filesystem: an unstage "at" a pod's target is not at the staging; the pod keeps its mount.
+    const cap = mountCap('ext4');
+    const fsVol = await createVolume(d, 'fsvol', cap, 32 * MiB);
+    await stage(d, fsVol.id, p('fs-st'), cap);
+    await publish(d, fsVol.id, p('fs-st'), p('pods', 'f', 'mnt'), cap);
+    const atTarget = await codeOf(unstage(fsVol.id, p('pods', 'f', 'mnt')));
+    const podKeeps = await isMounted(p('pods', 'f', 'mnt'));
+    await unpublish(fsVol.id, p('pods', 'f', 'mnt'));
+    await unstage(fsVol.id, p('fs-st'));
+    expect({
+      wrongBlock,
+      kept: stillAttached === before && before !== '',
+      published,
+      atTarget,
+      podKeeps,
+    }).toEqual({
+      wrongBlock: 'OK',
+      kept: true,
+      published: 'OK',
+      atTarget: 'OK',
+      podKeeps: true,
+    });
+  });
+
+  it('mounts the device whose filesystem is live in a hidden mount namespace, never a second one on the same image', async () => {
+    const cap = mountCap('ext4');
+    const { id, image } = await createVolume(d, 'hidden', cap, 64 * MiB);
+    await stage(d, id, p('hid-st'), cap);
+    await unstage(id, p('hid-st'));
+    const first = sh('losetup', ['--find', '--show', image]).trim();
+    const second = sh('losetup', ['--find', '--show', image]).trim();
+    const nsMount = p('ns-mnt');
+    await fs.mkdir(nsMount);
+    // A writer in a private mount namespace, on the second device: the host shows no mount of it.
+    const writer = spawn(
+      'unshare',
+      [
+        '--mount',
+        '--propagation',
+        'private',
+        'sh',
+        '-c',
+        'mount "$1" "$2" && echo precious > "$2/precious" && sync && echo ready && ' +
+          'while :; do date >> "$2/log"; sleep 0.1; done',
+        'sh',
+        second,
+        nsMount,
+      ],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    );
+    const exited = new Promise((resolve) => writer.once('exit', resolve));
+    let result: unknown;
+    try {
+      await new Promise<void>((resolve, reject) => {
+        writer.stdout.once('data', () => {
+          resolve();
+        });
+        writer.once('exit', () => {
+          reject(new Error('the namespace writer did not start'));
+        });
+      });
+      const code = await codeOf(stage(d, id, p('hid-st'), cap));
+      const source = sh('findmnt', [
+        '--noheadings',
+        '--output',
+        'SOURCE',
+        '--mountpoint',
+        p('hid-st'),
+      ]).trim();
+      // One filesystem: what the hidden writer wrote is here, and what is written here is there.
+      const precious = await fs.readFile(p('hid-st', 'precious'), 'utf8').catch(() => 'missing');
+      result = { code, source, precious };
+    } finally {
+      writer.kill('SIGKILL');
+      await exited;
+      await unstage(id, p('hid-st')).catch(() => undefined);
+      for (const dev of [first, second]) {
+        try {
+          sh('losetup', ['--detach', dev]);
+        } catch {
+          // the unstage detached it: a device of the volume's image that nothing used any more
+        }
+      }
+    }
+    expect(result).toEqual({ code: 'OK', source: second, precious: 'precious\n' });
+  });
+
+  it('answers ALREADY_EXISTS to a re-stage with other mount flags, OK to the same in another order', async () => {
+    const cap = mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid']);
+    const { id } = await createVolume(d, 'flags', cap, 32 * MiB);
+    await stage(d, id, p('flags-st'), cap);
+    const codes = {
+      same: await codeOf(
+        stage(d, id, p('flags-st'), mountCap('ext4', 'SINGLE_NODE_WRITER', ['nosuid', 'noexec'])),
+      ),
+      fewer: await codeOf(stage(d, id, p('flags-st'), mountCap('ext4'))),
+      more: await codeOf(
+        stage(d, id, p('flags-st'), mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid', 'nodev'])),
+      ),
+    };
+    await unstage(id, p('flags-st'));
+    expect(codes).toEqual({ same: 'OK', fewer: 'ALREADY_EXISTS', more: 'ALREADY_EXISTS' });
+  });
+
+  it("answers NOT_FOUND to stats of another volume's path", async () => {
+    const cap = mountCap('ext4');
+    const a = await createVolume(d, 'stats-a', cap, 32 * MiB);
+    const b = await createVolume(d, 'stats-b', cap, 32 * MiB);
+    await stage(d, a.id, p('stats-a'), cap);
+    const code = await codeOf(
+      d.clients.node.NodeGetVolumeStats({ volume_id: b.id, volume_path: p('stats-a') }),
+    );
+    await unstage(a.id, p('stats-a'));
+    expect(code).toBe('NOT_FOUND');
+  });
+});
