@@ -88,8 +88,13 @@ export interface Host {
   mount(x: Exec, m: MountRequest): Promise<void>;
   bind(x: Exec, source: string, target: string, options: readonly string[]): Promise<void>;
   remountBind(x: Exec, target: string, options: readonly string[]): Promise<void>;
-  /** Unmounts everything stacked on `mountPoint`; returns the table afterwards. */
-  unmountAll(x: Exec, mountPoint: string, table?: MountEntry[]): Promise<MountEntry[]>;
+  /** Unmounts everything stacked on `mountPoint`, while `ours` accepts the top; returns the table afterwards. */
+  unmountAll(
+    x: Exec,
+    mountPoint: string,
+    table: MountEntry[] | undefined,
+    ours: (m: MountEntry) => boolean,
+  ): Promise<MountEntry[]>;
 
   // Filesystems on devices
   probe(x: Exec, device: string): Promise<DeviceContent>;

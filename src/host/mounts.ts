@@ -3,6 +3,7 @@
  * published on this host, whatever our own files say.
  */
 import fs from 'node:fs/promises';
+import { conflict } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { freshReading } from './fresh.js';
 
@@ -65,21 +66,31 @@ export function mountsAt(mounts: readonly MountEntry[], mountPoint: string): Mou
 export const isReadOnlyMount = (m: MountEntry): boolean => m.options.includes('ro');
 
 /**
- * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine) and returns the
- * mount table as it is afterwards. `table` is a mount table just read, to save reading it again.
+ * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine), top first, and
+ * returns the mount table as it is afterwards. `umount` takes whatever is on top, so the top is read
+ * again before each: one that `ours` does not accept (stacked there since the caller looked) is left
+ * in place, with a conflict. `table` is a mount table just read, to save reading it again.
  */
-export async function unmountAll(x: Exec, mountPoint: string, table?: MountEntry[]): Promise<MountEntry[]> {
+export async function unmountAll(
+  x: Exec,
+  mountPoint: string,
+  table: MountEntry[] | undefined,
+  ours: (m: MountEntry) => boolean,
+): Promise<MountEntry[]> {
   let current = table ?? (await readMounts());
-  for (let round = 0; round < 4; round++) {
-    const stacked = mountsAt(current, mountPoint).length;
-    if (stacked === 0) return current;
-    for (let i = 0; i < stacked; i++) {
-      try {
-        await x.run('umount', [mountPoint], { timeoutMs: 120_000 });
-      } catch (err) {
-        // A mount that vanished between our look and umount is what we wanted.
-        if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
-      }
+  for (let round = 0; round < 8; round++) {
+    const top = mountsAt(current, mountPoint).at(-1);
+    if (!top) return current;
+    if (!ours(top)) {
+      throw conflict(
+        `${mountPoint} now has ${top.source} (${top.fsType}) mounted on top, which is not the volume's; it was left in place.`,
+      );
+    }
+    try {
+      await x.run('umount', [mountPoint], { timeoutMs: 120_000 });
+    } catch (err) {
+      // A mount that vanished between our look and umount is what we wanted.
+      if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
     }
     current = await readMounts();
   }

@@ -220,7 +220,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
   let table = on.mounts;
   if (ours.length > 0) {
-    table = await d.host.unmountAll(x, target, on.mounts);
+    table = await d.host.unmountAll(x, target, on.mounts, (m) => loopOfMount(m, on.loops) !== undefined);
     if (table.some((m) => m.mountPoint === target))
       throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
   }

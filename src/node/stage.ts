@@ -294,7 +294,8 @@ async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<s
 export async function unmountIfOurs(d: NodeDeps, x: Exec, id: string, p: string): Promise<void> {
   const on = await lookAtHost(d, x, id);
   const { ours, foreign } = classifyAt(on, p);
-  if (ours.length > 0 && foreign.length === 0) await d.host.unmountAll(x, p, on.mounts);
+  if (ours.length > 0 && foreign.length === 0)
+    await d.host.unmountAll(x, p, on.mounts, (m) => loopOfMount(m, on.loops) !== undefined);
 }
 
 /**

@@ -309,8 +309,14 @@ export class FakeHost implements Host {
     if (top) top.options = [options.includes('ro') ? 'ro' : 'rw', ...options.filter((o) => o !== 'ro')];
   }
 
-  async unmountAll(_x: Exec, mountPoint: string): Promise<MountEntry[]> {
+  async unmountAll(
+    _x: Exec,
+    mountPoint: string,
+    _table: MountEntry[] | undefined,
+    ours: (m: MountEntry) => boolean,
+  ): Promise<MountEntry[]> {
     for (let top = this.mountsAt(mountPoint).at(-1); top; top = this.mountsAt(mountPoint).at(-1)) {
+      if (!ours(top)) throw conflict(`${mountPoint} now has ${top.source} mounted on top`);
       await this.act(`umount ${mountPoint}`);
       this.table.splice(this.table.indexOf(top), 1);
       this.released(top);

@@ -171,7 +171,7 @@ describe('NodeStageVolume', () => {
     await stage(w, id);
     // A pod went away during a snapshot: the staging mount went, its superblock stayed frozen.
     await w.host.freeze(w.x, STAGING);
-    await w.host.unmountAll(w.x, STAGING);
+    await w.host.unmountAll(w.x, STAGING, undefined, () => true);
     expect(await w.host.claimed('/dev/loop0')).toBe(true);
     expect(await during(w, () => stage(w, id))).toEqual({
       code: 'OK',
@@ -710,6 +710,22 @@ describe('NodeUnpublishVolume', () => {
     expect(w.host.kindOf(TARGET)).toBe('directory');
   });
 
+  it('leaves a foreign mount stacked on the target after the look, and the volume under it (FAILED_PRECONDITION)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    const bind = w.host.mountsAt(TARGET);
+    let foreign: unknown;
+    const unmountAll = w.host.unmountAll.bind(w.host);
+    w.host.unmountAll = (...args) => {
+      foreign = w.host.addForeignMount(TARGET); // mounted between the call's look and its umount
+      return unmountAll(...args);
+    };
+    expect(await codeOf(unpublish(w, id))).toBe('FAILED_PRECONDITION');
+    expect(w.host.mountsAt(TARGET)).toEqual([...bind, foreign]);
+  });
+
   it.each<[string, (host: FakeHost) => void, string]>([
     [
       'a file holding data',
@@ -760,7 +776,11 @@ describe('NodeGetVolumeStats', () => {
   });
 
   it.each<[string, (w: World) => unknown, RegExp]>([
-    ['nothing is mounted at the path', (w) => w.host.unmountAll(w.x, TARGET), /not mounted/],
+    [
+      'nothing is mounted at the path',
+      (w) => w.host.unmountAll(w.x, TARGET, undefined, () => true),
+      /not mounted/,
+    ],
     [
       'the filesystem went read-only underneath',
       (w) => (must(w.host.mountsAt(TARGET)[0], 'mount').superOptions = ['ro']),
@@ -849,7 +869,13 @@ describe('NodeExpandVolume', () => {
       0,
       'FAILED_PRECONDITION',
     ],
-    ['nothing is mounted at the path', {}, (w) => w.host.unmountAll(w.x, TARGET), 0, 'NOT_FOUND'],
+    [
+      'nothing is mounted at the path',
+      {},
+      (w) => w.host.unmountAll(w.x, TARGET, undefined, () => true),
+      0,
+      'NOT_FOUND',
+    ],
   ])(
     'refuses when %s, leaving the filesystem as it was',
     async (_what, over, setup, required, code, limit = 0) => {
