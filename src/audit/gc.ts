@@ -18,6 +18,7 @@ import { errnoCode } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import type { Host } from '../host/host.js';
 import { exists } from '../pool/fsutil.js';
+import { isTrashEntry, layoutProblem } from '../pool/layout.js';
 import { isHeld, type HeldLock } from '../pool/lock.js';
 import type { Pool } from '../pool/pool.js';
 import type { Finding, GcStep } from './findings.js';
@@ -166,8 +167,12 @@ async function actOnHost(
 
 async function removeTrash(d: GcDeps, f: Finding, entry: string): Promise<GcOutcome> {
   const p = path.join(d.pool.layout.trashDir, entry);
+  // Only what the driver puts in the trash, in a trash that is the pool's own directory.
+  const problem = await layoutProblem(d.pool.layout);
+  if (problem || !isTrashEntry(entry))
+    return { finding: f, result: 'failed', message: problem ?? `${p} is not the driver's; left alone` };
   try {
-    const st = await fs.stat(p);
+    const st = await fs.lstat(p);
     const age = (Date.now() - Math.max(st.mtimeMs, st.ctimeMs)) / 1000;
     if (age <= d.trashAgeSeconds)
       return { finding: f, result: 'skipped', message: 'not old any more; left alone' };

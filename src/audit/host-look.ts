@@ -71,19 +71,33 @@ export function classifyImagePath(root: string, p: string): PoolImageRef | undef
   }
 }
 
-/** Every image file in the pool, by "dev:ino". */
+/**
+ * Every image file in the pool, by "dev:ino": regular files of the pool's filesystem with one name,
+ * reached through no symlink. A symlink or a hard link planted in the pool (to another pool's image,
+ * say) would make that image's devices, and the mounts of a pod using them, look like this pool's
+ * leftovers.
+ */
 async function imagesById(pool: Pool): Promise<Map<string, PoolImageRef>> {
   const out = new Map<string, PoolImageRef>();
   const { layout } = pool;
+  const rootDev = (await fs.stat(pool.root, { bigint: true })).dev;
+  const plain = async (p: string, dir: boolean) => {
+    const st = await fs.lstat(p, { bigint: true }).catch(() => undefined);
+    if (!st || st.dev !== rootDev) return undefined;
+    if (dir) return st.isDirectory() ? st : undefined;
+    return st.isFile() && st.nlink === 1n ? st : undefined;
+  };
   const dirs = [layout.volumesDir, layout.snapshotsDir, layout.trashDir, layout.quarantineDir];
   for (const dir of dirs) {
+    if (!(await plain(dir, true))) continue;
     for (const entry of await listDir(dir)) {
+      if (!(await plain(path.join(dir, entry), true))) continue;
       for (const file of [IMAGE_FILE, PARTIAL]) {
         const p = path.join(dir, entry, file);
         const ref = classifyImagePath(pool.root, p);
         if (!ref) continue;
-        const st = await fs.stat(p, { bigint: true }).catch(() => undefined);
-        if (st?.isFile()) out.set(`${devToMajorMinor(st.dev)}:${st.ino}`, ref);
+        const st = await plain(p, false);
+        if (st) out.set(`${devToMajorMinor(st.dev)}:${st.ino}`, ref);
       }
     }
   }

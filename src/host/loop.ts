@@ -13,6 +13,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
+import { pinnedPath, withImage } from '../pool/images.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
@@ -82,7 +83,6 @@ function loopFromSysfs(name: string): LoopDevice | undefined {
   };
 }
 
-/** The backing file's name without the " (deleted)" the kernel adds once it is unlinked. */
 /** The backing path as sysfs shows it, without the " (deleted)" that appears once the file is unlinked. */
 const shownPath = (l: LoopDevice): string =>
   l.backingFile.endsWith(DELETED_SUFFIX) ? l.backingFile.slice(0, -DELETED_SUFFIX.length) : l.backingFile;
@@ -181,10 +181,23 @@ export async function attachLoop(
 ): Promise<LoopDevice> {
   // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
   // Reuse is decided by the caller from /sys/block.
+  // An image is a regular file the driver made. A symlink or a device planted in its place (anyone
+  // who can write to a shared pool can) would hand the host's disk to a pod, or to mkfs: losetup
+  // attaches the file checked, through the handle.
+  return withImage(image, !opts.readOnly, (h) => attachChecked(x, image, pinnedPath(h), id, opts));
+}
+
+async function attachChecked(
+  x: Exec,
+  image: string,
+  pinned: string,
+  id: FileId | undefined,
+  opts: AttachOptions,
+): Promise<LoopDevice> {
   const args = ['--find', '--show'];
   if (opts.readOnly) args.push('--read-only');
   if (opts.directIo) args.push('--direct-io=on');
-  args.push(image);
+  args.push(pinned);
   let lastErr: unknown;
   for (let attempt = 0; attempt < 4; attempt++) {
     try {
@@ -192,6 +205,13 @@ export async function attachLoop(
       const dev = stdout.trim();
       const loop = await readLoop(path.basename(dev));
       if (!loop) throw new Error(`losetup reported ${dev} but it is not attached`);
+      if (shownPath(loop) !== image) {
+        // The kernel shows the path of the file it holds: the one checked, renamed since?
+        x.log.warn(
+          { device: loop.path, image, shown: loop.backingFile },
+          'attached image shows another path',
+        );
+      }
       return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;

@@ -161,9 +161,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   };
   const previous = await d.volumes.takeLease(r.id, lease);
   if (previous && previous.stagingPath !== staging) {
-    // A lease for another path whose staging is gone (the host rebooted): replace it.
-    await d.volumes.dropLease(r.id, d.nodeId);
-    await d.volumes.takeLease(r.id, lease);
+    // A lease for another path whose staging is gone (the host rebooted): replaced in one step, so
+    // that nothing (a gc) ever sees the volume attached here with no lease.
+    await d.volumes.takeLease(r.id, lease, { replaceStaging: true });
   }
   // What this call did, undone in reverse order when a later step fails. Each undo is registered
   // before its step runs: a command killed after the kernel acted (a mount that took effect) is undone

@@ -66,10 +66,7 @@ export abstract class VolumeFences {
     return readRecord(this.layout.volumeFences(id), parseFenceFile);
   }
 
-  /**
-   * The fence file to change under the volume's lock. A damaged one is never overwritten: it may be
-   * the only record that a node holds the volume.
-   */
+  /** The fence file to change under its lock; a damaged one (maybe a node's only hold) is never overwritten. */
   private async fenceFileForUpdate(id: string): Promise<FenceFile> {
     const r = await this.readFenceFile(id);
     if (r.state === 'damaged') {
@@ -263,9 +260,14 @@ export abstract class VolumeFences {
 
   /**
    * The node-side fence: takes `lease` for its node unless another node holds the volume (only
-   * MULTI_NODE_READER_ONLY readers share). Returns this node's previous lease, if it had one.
+   * MULTI_NODE_READER_ONLY readers share). Returns this node's previous lease, if it had one; one for
+   * another staging path stays unless `replaceStaging`.
    */
-  async takeLease(id: string, lease: Lease): Promise<Lease | undefined> {
+  async takeLease(
+    id: string,
+    lease: Lease,
+    opts: { replaceStaging?: boolean } = {},
+  ): Promise<Lease | undefined> {
     return this.pool.withLock(id, 'NodeStageVolume', async () => {
       await this.mustGet(id);
       const all = await this.leases(id);
@@ -306,9 +308,11 @@ export abstract class VolumeFences {
           `Volume ${id} was detached from node ${lease.node} at ${detachedAt}; publish it to this node again first.`,
         );
       }
-      if (mine && mine.stagingPath !== lease.stagingPath) return mine;
+      const moved = mine !== undefined && mine.stagingPath !== lease.stagingPath;
+      if (moved && opts.replaceStaging !== true) return mine;
       const rewrite =
         !mine ||
+        moved ||
         mine.accessType !== lease.accessType ||
         mine.mode !== lease.mode ||
         mine.readonly !== lease.readonly ||
@@ -326,7 +330,7 @@ export abstract class VolumeFences {
           const record: Lease = {
             ...lease,
             ...(device ? { device } : {}),
-            since: mine?.since ?? lease.since,
+            since: mine && !moved ? mine.since : lease.since,
           };
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.leasesDir(id), { recursive: true });
@@ -365,10 +369,7 @@ export abstract class VolumeFences {
     return l.readonly || l.fencedAt !== undefined || (await this.nodes.seenDead(l.node));
   }
 
-  /**
-   * Records that `node` stopped writing a volume taken from it (its revoked lease is released); `how`
-   * says what it did.
-   */
+  /** Records that `node` stopped writing a volume taken from it (its revoked lease is released), `how`. */
   async markFenced(id: string, node: string, how: string): Promise<void> {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'fence', async () => {

@@ -5,8 +5,8 @@
  * copy that fills the holes.
  */
 import { constants } from 'node:fs';
-import fs from 'node:fs/promises';
-import { conflict, errnoCode, invalid } from '../errors.js';
+import fs, { type FileHandle } from 'node:fs/promises';
+import { busy, conflict, errnoCode, invalid, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { type CopyPurpose, telemetry } from '../telemetry.js';
 
@@ -16,6 +16,54 @@ export type CopyMethod = 'reflink' | 'sparse-copy';
 const COPY_TIMEOUT_MS = 6 * 60 * 60 * 1000;
 /** How often a byte copy logs how far it got. */
 const COPY_PROGRESS_MS = 10_000;
+
+/**
+ * Opens an image of the pool for reading (or writing): a regular file reached through no symlink.
+ * Anyone who can write to a shared pool could plant a symlink to a host file or a device there, or a
+ * FIFO (opened without blocking). Commands then work on `pinnedPath` of the handle: the file checked,
+ * whatever the path leads to by then.
+ */
+export async function openImage(file: string, write = false): Promise<FileHandle> {
+  const flags = (write ? constants.O_RDWR : constants.O_RDONLY) | constants.O_NOFOLLOW | constants.O_NONBLOCK;
+  let handle: FileHandle;
+  try {
+    handle = await fs.open(file, flags);
+  } catch (err) {
+    if (errnoCode(err) === 'ELOOP') throw notAnImage(file);
+    throw err;
+  }
+  try {
+    const [st, real] = await Promise.all([handle.stat(), fs.readlink(`/proc/self/fd/${handle.fd}`)]);
+    if (st.isFile() && real === file) return handle;
+  } catch (err) {
+    await handle.close();
+    throw err;
+  }
+  await handle.close();
+  throw notAnImage(file);
+}
+
+/** A path that reaches the file `handle` opened, for a command this process runs. */
+export const pinnedPath = (handle: FileHandle): string => `/proc/${process.pid}/fd/${handle.fd}`;
+
+export const notAnImage = (file: string) =>
+  unsafe(
+    `${file} is not a regular file of the pool (a symlink, a device or a FIFO in its place); it was left alone.`,
+  );
+
+/** Runs `use` on image `file` opened by openImage, then closes it. */
+export async function withImage<T>(
+  file: string,
+  write: boolean,
+  use: (h: FileHandle) => Promise<T>,
+): Promise<T> {
+  const handle = await openImage(file, write);
+  try {
+    return await use(handle);
+  } finally {
+    await handle.close();
+  }
+}
 
 async function syncFile(file: string): Promise<void> {
   const handle = await fs.open(file, 'r+');
@@ -40,36 +88,35 @@ export async function createSparseImage(file: string, size: number): Promise<voi
 /** Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space. */
 export async function preallocate(x: Exec, file: string, offset: number, length: number): Promise<void> {
   if (length <= 0) return;
-  try {
-    await x.run('fallocate', ['--offset', String(offset), '--length', String(length), file], {
-      timeoutMs: 10 * 60 * 1000,
-    });
-  } catch (err) {
-    if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
-      throw invalid(
-        "This pool's filesystem cannot reserve blocks (fallocate is not supported there, as on many network filesystems); use allocation: sparse.",
-        err,
-      );
+  await withImage(file, true, async (h) => {
+    try {
+      await x.run('fallocate', ['--offset', String(offset), '--length', String(length), pinnedPath(h)], {
+        timeoutMs: 10 * 60 * 1000,
+      });
+    } catch (err) {
+      if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
+        throw invalid(
+          "This pool's filesystem cannot reserve blocks (fallocate is not supported there, as on many network filesystems); use allocation: sparse.",
+          err,
+        );
+      }
+      throw err;
     }
-    throw err;
-  }
-  await syncFile(file);
+    await h.sync();
+  });
 }
 
 /** Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. */
 export async function growImage(x: Exec, file: string, size: number, preallocated: boolean): Promise<void> {
-  const st = await fs.stat(file);
-  if (st.size >= size) return;
-  if (preallocated) {
-    await preallocate(x, file, st.size, size - st.size); // fallocate extends the file too
-  }
-  const handle = await fs.open(file, 'r+');
-  try {
-    await handle.truncate(size);
-    await handle.sync();
-  } finally {
-    await handle.close();
-  }
+  await withImage(file, true, async (h) => {
+    const st = await h.stat();
+    if (st.size >= size) return;
+    if (preallocated) {
+      await preallocate(x, file, st.size, size - st.size); // fallocate extends the file too
+    }
+    await h.truncate(size);
+    await h.sync();
+  });
 }
 
 /**
@@ -103,7 +150,7 @@ export interface CopyOptions {
    * only a point-in-time copy while nothing writes the source; callers that cannot promise that say no.
    */
   allowCopy: boolean;
-  /** Stops a byte copy (the copy is then incomplete and the caller discards it). */
+  /** Stops a byte copy when the lock it is made under is lost (ABORTED; the copy is incomplete). */
   signal?: AbortSignal;
   /** Upper bound for a byte copy. */
   timeoutMs?: number;
@@ -131,15 +178,22 @@ export interface CopyResult {
  * retry would redo it), unless `signal` stops it.
  */
 export async function copyImage(x: Exec, src: string, dst: string, opts: CopyOptions): Promise<CopyResult> {
-  const result = await copyImageOnce(x, src, dst, opts);
+  const result = await withImage(src, false, (h) => copyImageOnce(x, src, pinnedPath(h), dst, opts));
   telemetry.copied(opts.purpose ?? 'snapshot', result.method, result.bytes, result.seconds);
   return result;
 }
 
-async function copyImageOnce(x: Exec, src: string, dst: string, opts: CopyOptions): Promise<CopyResult> {
+/** Copies `src`, read through `pinned` (the file openImage checked), to `dst`. */
+async function copyImageOnce(
+  x: Exec,
+  src: string,
+  pinned: string,
+  dst: string,
+  opts: CopyOptions,
+): Promise<CopyResult> {
   const started = performance.now();
   try {
-    await fs.copyFile(src, dst, constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL);
+    await fs.copyFile(pinned, dst, constants.COPYFILE_FICLONE_FORCE | constants.COPYFILE_EXCL);
     await syncFile(dst);
     return { method: 'reflink', bytes: 0, seconds: (performance.now() - started) / 1000 };
   } catch (err) {
@@ -152,15 +206,21 @@ async function copyImageOnce(x: Exec, src: string, dst: string, opts: CopyOption
       );
     }
   }
-  const bytes = await allocatedBytes(src);
+  const bytes = await allocatedBytes(pinned);
   await opts.admitByteCopy?.(bytes);
   const progress = logProgress(x, src, dst, bytes, started, opts.progressMs ?? COPY_PROGRESS_MS);
   try {
-    await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', src, dst], {
+    await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', pinned, dst], {
       detached: true,
       timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
       ...(opts.signal ? { signal: opts.signal } : {}),
     });
+  } catch (err) {
+    // Stopped by `signal`: the lock it was made under was lost (another process took over), which is
+    // not the caller cancelling.
+    if (opts.signal?.aborted && err instanceof CommandError && err.reason === 'cancelled')
+      throw busy(`Copying ${src} stopped: this process lost its lock on it to another; retry.`, err);
+    throw err;
   } finally {
     clearInterval(progress);
   }

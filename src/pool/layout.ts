@@ -23,7 +23,9 @@
  *   trash/                            deleted volumes and snapshots on their way out
  *   quarantine/<id>.<when>/           directories whose record could not be read, kept for an operator
  */
+import fs from 'node:fs/promises';
 import path from 'node:path';
+import { errnoCode } from '../errors.js';
 import { isGroupSnapshotId, isNodeId, isSnapshotId, isVolumeId } from './ids.js';
 
 export const POOL_FORMAT = 1;
@@ -61,6 +63,19 @@ export class PoolLayout {
   }
   get quarantineDir(): string {
     return path.join(this.root, 'quarantine');
+  }
+
+  /** The directories of the pool itself, each made at its creation. */
+  get ownDirs(): string[] {
+    return [
+      this.volumesDir,
+      this.snapshotsDir,
+      this.groupsDir,
+      this.nodesDir,
+      this.locksDir,
+      this.trashDir,
+      this.quarantineDir,
+    ];
   }
 
   volumeDir(id: string): string {
@@ -142,4 +157,38 @@ export class PoolLayout {
   nodeAttached(node: string, volumeId: string): string {
     return path.join(this.nodeAttachedDir(node), checked(volumeId, isVolumeId(volumeId), 'volume id'));
   }
+}
+
+/**
+ * The pool's own directories, when one is not a plain directory on the pool's filesystem: the driver
+ * deletes what it puts in the trash, and reads and writes volumes and records, by path. A symlink
+ * planted there (anyone who can write to a shared pool can) would point all of that at another place:
+ * the trash's sweep would empty the directory it leads to. Missing ones are fine (made, or not yet).
+ */
+export async function layoutProblem(layout: PoolLayout): Promise<string | undefined> {
+  const rootDev = (await fs.stat(layout.root)).dev;
+  for (const dir of layout.ownDirs) {
+    let st;
+    try {
+      st = await fs.lstat(dir);
+    } catch (err) {
+      if (errnoCode(err) === 'ENOENT') continue;
+      throw err;
+    }
+    if (!st.isDirectory())
+      return `${dir} is not a directory (${st.isSymbolicLink() ? 'a symlink' : 'another kind of file'}); the driver never follows it. Put back a directory of the pool there.`;
+    if (st.dev !== rootDev) return `${dir} is on another filesystem than the pool at ${layout.root}.`;
+  }
+  return undefined;
+}
+
+/** A name the trash holds: `<id>.<12 hex digits>` (Pool.discard), never anything else. */
+export function isTrashEntry(entry: string): boolean {
+  const dot = entry.lastIndexOf('.');
+  const id = entry.slice(0, dot);
+  return (
+    dot > 0 &&
+    /^[0-9a-f]{12}$/.test(entry.slice(dot + 1)) &&
+    (isVolumeId(id) || isSnapshotId(id) || isGroupSnapshotId(id))
+  );
 }

@@ -279,9 +279,11 @@ export class LockManager {
       lastRenewed = performance.now();
     };
     const timer = setInterval(() => {
+      // Others declare it abandoned after a full lease without change: stop well before that, also
+      // when a renewal never answers (a hard-mounted pool whose server went away hangs, not fails).
+      if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
       renew().catch((err: unknown) => {
         this.log.warn({ lock: file, err }, 'could not renew a pool lock');
-        // Others declare it abandoned after a full lease without change: stop well before that.
         if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
       });
     }, this.heartbeatMs);

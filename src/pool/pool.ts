@@ -22,7 +22,7 @@ import {
   writeFileAtomic,
 } from './fsutil.js';
 import { PoolFilesystem } from './filesystem.js';
-import { POOL_FORMAT, PoolLayout } from './layout.js';
+import { isTrashEntry, layoutProblem, POOL_FORMAT, PoolLayout } from './layout.js';
 import { type HeldLock, isHeld, LockManager, type LockOptions } from './lock.js';
 
 /** How long a call waits for a pool lock another call holds. */
@@ -162,7 +162,7 @@ export class Pool {
     const root = await fs.realpath(dir);
     const layout = new PoolLayout(root);
     if (options.inspect === true) {
-      const problem = await formatProblem(layout);
+      const problem = (await formatProblem(layout)) ?? (await layoutProblem(layout));
       if (problem) throw new PoolError(problem);
       const info = await readJson(layout.formatFile);
       const id = isRecord(info) && typeof info.id === 'string' ? info.id : '';
@@ -176,18 +176,10 @@ export class Pool {
       );
       if (created) log.info({ pool: root }, 'created a new pool');
     }
-    for (const sub of [
-      layout.volumesDir,
-      layout.snapshotsDir,
-      layout.groupsDir,
-      layout.nodesDir,
-      layout.locksDir,
-      layout.trashDir,
-      layout.quarantineDir,
-    ]) {
-      await fs.mkdir(sub, { recursive: true, mode: 0o750 });
-    }
-    const problem = await formatProblem(layout);
+    const planted = await layoutProblem(layout);
+    if (planted) throw new PoolError(planted);
+    for (const sub of layout.ownDirs) await fs.mkdir(sub, { recursive: true, mode: 0o750 });
+    const problem = (await formatProblem(layout)) ?? (await layoutProblem(layout));
     if (problem) throw new PoolError(problem);
     const id = await ensureId(layout, log);
     const pool = new Pool(root, id, name, log, options.lock ?? {});
@@ -362,9 +354,11 @@ export class Pool {
     await fs.rm(target, { recursive: true, force: true });
   }
 
-  /** Removes what an interrupted delete left in the trash. */
+  /** Removes what an interrupted delete left in the trash (only what Pool.discard puts there). */
   async sweepTrash(): Promise<void> {
-    for (const entry of await listDir(this.layout.trashDir)) {
+    const problem = await layoutProblem(this.layout);
+    if (problem) throw new PoolError(problem);
+    for (const entry of (await listDir(this.layout.trashDir)).filter(isTrashEntry)) {
       await fs
         .rm(path.join(this.layout.trashDir, entry), { recursive: true, force: true })
         .catch((err: unknown) => {

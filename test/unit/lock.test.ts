@@ -3,7 +3,7 @@ import { spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { pino } from 'pino';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
 import { Capacity } from '../../src/pool/capacity.js';
 import { isHeld, LockManager } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
@@ -144,6 +144,23 @@ describe('LockManager', () => {
     expect(JSON.parse(await fs.readFile(path.join(dir, 'k.lock'), 'utf8'))).toMatchObject({
       token: 'theirs',
     });
+  });
+
+  it('a holder whose renewals never answer (a hung pool) stops acting under it within half a lease', async () => {
+    const dir = await tempDir('lock6');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
+    const got = await locks.tryAcquire('k', 'holder');
+    if (!isHeld(got)) throw new Error('not held');
+    // The pool's server went away under a hard mount: reads hang, they never fail.
+    const hang = vi.spyOn(fs, 'readFile').mockImplementation(() => new Promise(() => undefined));
+    try {
+      for (let i = 0; i < 50 && !got.signal.aborted; i++) await sleep(20);
+      expect(got.signal.aborted).toBe(true);
+    } finally {
+      hang.mockRestore();
+    }
+    await got.release();
   });
 
   it('refuses keys that are not safe file names', async () => {
