@@ -160,7 +160,9 @@ async function serve(
       nodes,
       host: kernelHost,
       poolRoot: pool.root,
-      kubeletDir: config.kubeletDir,
+      // Compared with canonical staging and target paths: a kubelet root reached through a symlink
+      // (/var/lib/kubelet -> /data/kubelet) is compared as what it leads to.
+      kubeletDir: await kernelHost.canonicalPath(config.kubeletDir),
       bootId: (
         await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown-boot')
       ).trim(),

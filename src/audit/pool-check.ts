@@ -3,6 +3,7 @@
  * not match, records that cannot be read, quarantine, holds of nodes that no longer beat, locks whose
  * holder is gone, and old trash. Pure: it judges an Inventory (inventory.ts).
  */
+import { isTrashEntry } from '../pool/layout.js';
 import type { Finding } from './findings.js';
 import type { Inventory, NodeInfo } from './inventory.js';
 
@@ -197,8 +198,10 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
       kind: 'old-trash',
       subject: t.path,
       detail: `a deleted ${/^snap-/.test(t.entry) ? 'snapshot' : /^vol-/.test(t.entry) ? 'volume' : 'entry'} has been in the trash for ${seconds(t.ageSeconds)} (its removal was interrupted or failed)`,
-      action: 'loopvol gc removes it. If it stays, something holds it: see the leaked loop devices below.',
-      gc: { action: 'remove-trash', entry: t.entry },
+      action: isTrashEntry(t.entry)
+        ? 'loopvol gc removes it. If it stays, something holds it: see the leaked loop devices below.'
+        : 'The driver never puts this name in the trash, so neither it nor loopvol gc removes it: look at it and remove it by hand.',
+      ...(isTrashEntry(t.entry) ? { gc: { action: 'remove-trash' as const, entry: t.entry } } : {}),
     });
   }
   return out;

@@ -13,7 +13,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
-import { pinnedPath, withImage } from '../pool/images.js';
+import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
@@ -194,27 +194,46 @@ async function attachChecked(
   id: FileId | undefined,
   opts: AttachOptions,
 ): Promise<LoopDevice> {
-  const args = ['--find', '--show'];
-  if (opts.readOnly) args.push('--read-only');
-  if (opts.directIo) args.push('--direct-io=on');
-  args.push(pinned);
+  // 512-byte logical blocks, always. With direct I/O, newer kernels (6.x) otherwise give the device
+  // the backing file's direct I/O alignment: 4096 for an XFS-pool image once it shares blocks (after
+  // its first snapshot or clone), and an XFS made with 512-byte sectors no longer mounts on it, nor
+  // does a pod's partition table keep its meaning. Where the alignment does not allow direct I/O at
+  // 512, the kernel falls back to buffered I/O (the attach says so: `directIo`). Old kernels or
+  // losetups that cannot set it attach as before (512 there anyway).
+  let sectorSize = true;
   let lastErr: unknown;
-  for (let attempt = 0; attempt < 4; attempt++) {
+  for (let attempt = 0; attempt < 5; attempt++) {
+    const args = ['--find', '--show'];
+    if (opts.readOnly) args.push('--read-only');
+    if (opts.directIo) args.push('--direct-io=on');
+    if (sectorSize) args.push('--sector-size=512');
+    args.push(pinned);
     try {
       const { stdout } = await x.run('losetup', args, { timeoutMs: 30_000 });
       const dev = stdout.trim();
       const loop = await readLoop(path.basename(dev));
       if (!loop) throw new Error(`losetup reported ${dev} but it is not attached`);
-      if (shownPath(loop) !== image) {
-        // The kernel shows the path of the file it holds: the one checked, renamed since?
-        x.log.warn(
-          { device: loop.path, image, shown: loop.backingFile },
-          'attached image shows another path',
-        );
+      // losetup resolves the pinned path back to a name and opens that: the kernel shows the path of
+      // what it holds, which is the image's unless the image was swapped meanwhile.
+      if (shownPath(loop) !== image || isDeletedBacking(loop)) {
+        await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
+        throw notAnImage(image);
       }
       return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;
+      if (
+        sectorSize &&
+        err instanceof CommandError &&
+        /sector|block size|unrecognized option/i.test(err.stderr)
+      ) {
+        x.log.warn(
+          { stderr: err.lastStderrLine },
+          'losetup cannot set a sector size here; attaching without',
+        );
+        sectorSize = false;
+        continue;
+      }
       // Two attaches racing for the same free device: one gets EBUSY; try again.
       if (!(err instanceof CommandError && /busy/i.test(err.stderr))) throw err;
     }

@@ -24,10 +24,15 @@ export function devToMajorMinor(dev: bigint): string {
   return `${major}:${minor}`;
 }
 
-/** The identity of the file `p` names (symlinks followed), or undefined when there is none. */
+/**
+ * The identity of the regular file `p` names, or undefined when there is none. A symlink there is not
+ * followed (it is none): the images this names are the pool's, and one planted in a shared pool would
+ * make another volume's devices, or another pool's, look like this one's.
+ */
 export async function fileId(p: string): Promise<FileId | undefined> {
   try {
-    const st = await fs.stat(p, { bigint: true });
+    const st = await fs.lstat(p, { bigint: true });
+    if (!st.isFile()) return undefined;
     return { dev: devToMajorMinor(st.dev), ino: st.ino.toString() };
   } catch (err) {
     const code = errnoCode(err);

@@ -179,6 +179,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
       undo.push((cx) => d.host.detach(cx, loop));
       x.log.info({ device: loop.path, readOnly: ro, directIo: loop.directIo }, 'attached loop device');
+      if (d.loopDirectIo && !loop.directIo)
+        x.log.warn(
+          { device: loop.path },
+          "direct I/O fell back to buffered: the image's alignment on the pool does not allow it at 512-byte sectors (on XFS pools, once it shares blocks with a snapshot or clone)",
+        );
       return loop;
     } catch (err) {
       // losetup killed or failed after attaching: detach what appeared meanwhile that nothing uses.

@@ -45,8 +45,8 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)
     throw missing(`Volume ${r.id} does not exist.`);
   if (lease && lease.stagingPath !== staging && stagingLoop(on.loops, lease, on.mounts)) {
-    // Staged, and live, at another path: not staged at this one, which the spec answers OK. What is
-    // there (a pod's bind of it, say) and the staging are left alone.
+    // Staged, and live, at the path its lease names: not staged at this one, which the spec answers
+    // OK. What is here (a pod's bind of it, say) and the staging are left alone.
     x.log.info({ staging, stagedAt: lease.stagingPath }, 'not staged at this path; nothing to undo');
     return;
   }

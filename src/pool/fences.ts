@@ -84,8 +84,7 @@ export abstract class VolumeFences {
 
   /**
    * Records of one kind: the fence file's, and any per-node file of a node it does not list (written
-   * by a release before the fence file, or by this one as a copy for such a release during an
-   * upgrade). Anything unreadable counts as held by a writer.
+   * by a release before the fence file, or as a copy for one). Anything unreadable counts as held.
    */
   private async fenceRecords<T extends { node: string }>(
     id: string,
@@ -317,7 +316,8 @@ export abstract class VolumeFences {
         mine.mode !== lease.mode ||
         mine.readonly !== lease.readonly ||
         (lease.device !== undefined && mine.device !== lease.device) ||
-        (lease.bootId !== undefined && mine.bootId !== lease.bootId);
+        (lease.bootId !== undefined && mine.bootId !== lease.bootId) ||
+        (lease.mountFlags !== undefined && mine.mountFlags?.join('\0') !== lease.mountFlags.join('\0'));
       if (rewrite || silent.length > 0) {
         const f = await this.fenceFileForUpdate(id);
         // A node let go for its silence stays let go, whatever its heartbeat does later.

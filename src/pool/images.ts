@@ -129,15 +129,33 @@ export async function ownBlocks(x: Exec, file: string, signal?: AbortSignal): Pr
   const own = `${file}.own`;
   await fs.rm(own, { force: true });
   try {
-    await x.run('cp', ['--sparse=never', '--reflink=never', '--no-preserve=all', '--', file, own], {
-      detached: true,
-      timeoutMs: COPY_TIMEOUT_MS,
-      ...(signal ? { signal } : {}),
-    });
-    await syncFile(own);
+    await withImage(file, false, (h) =>
+      intoNewFile(own, async (dst) => {
+        const src = pinnedPath(h);
+        await x.run('cp', ['--sparse=never', '--reflink=never', '--no-preserve=all', '--', src, dst], {
+          detached: true,
+          timeoutMs: COPY_TIMEOUT_MS,
+          ...(signal ? { signal } : {}),
+        });
+      }),
+    );
     await fs.rename(own, file);
   } finally {
     await fs.rm(own, { force: true });
+  }
+}
+
+/**
+ * Creates `file` (O_EXCL: a symlink planted there is not followed, it fails), lets `write` fill it
+ * through a pinned path, and syncs it.
+ */
+async function intoNewFile(file: string, write: (pinned: string) => Promise<void>): Promise<void> {
+  const handle = await fs.open(file, 'wx', 0o600);
+  try {
+    await write(pinnedPath(handle));
+    await handle.sync();
+  } finally {
+    await handle.close();
   }
 }
 
@@ -210,10 +228,12 @@ async function copyImageOnce(
   await opts.admitByteCopy?.(bytes);
   const progress = logProgress(x, src, dst, bytes, started, opts.progressMs ?? COPY_PROGRESS_MS);
   try {
-    await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', pinned, dst], {
-      detached: true,
-      timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
-      ...(opts.signal ? { signal: opts.signal } : {}),
+    await intoNewFile(dst, async (out) => {
+      await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', pinned, out], {
+        detached: true,
+        timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
+        ...(opts.signal ? { signal: opts.signal } : {}),
+      });
     });
   } catch (err) {
     // Stopped by `signal`: the lock it was made under was lost (another process took over), which is
@@ -224,7 +244,6 @@ async function copyImageOnce(
   } finally {
     clearInterval(progress);
   }
-  await syncFile(dst);
   return { method: 'sparse-copy', bytes, seconds: (performance.now() - started) / 1000 };
 }
 

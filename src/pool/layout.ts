@@ -160,13 +160,12 @@ export class PoolLayout {
 }
 
 /**
- * The pool's own directories, when one is not a plain directory on the pool's filesystem: the driver
- * deletes what it puts in the trash, and reads and writes volumes and records, by path. A symlink
- * planted there (anyone who can write to a shared pool can) would point all of that at another place:
- * the trash's sweep would empty the directory it leads to. Missing ones are fine (made, or not yet).
+ * The pool's own directories, when one is not a plain directory: the driver deletes what it puts in
+ * the trash, and reads and writes volumes and records, by path. A symlink planted there (anyone who
+ * can write to a shared pool can) would point all of that at another place: the trash's sweep would
+ * empty the directory it leads to. Missing ones are fine (made, or not yet).
  */
 export async function layoutProblem(layout: PoolLayout): Promise<string | undefined> {
-  const rootDev = (await fs.stat(layout.root)).dev;
   for (const dir of layout.ownDirs) {
     let st;
     try {
@@ -177,7 +176,6 @@ export async function layoutProblem(layout: PoolLayout): Promise<string | undefi
     }
     if (!st.isDirectory())
       return `${dir} is not a directory (${st.isSymbolicLink() ? 'a symlink' : 'another kind of file'}); the driver never follows it. Put back a directory of the pool there.`;
-    if (st.dev !== rootDev) return `${dir} is on another filesystem than the pool at ${layout.root}.`;
   }
   return undefined;
 }

@@ -278,14 +278,21 @@ export class LockManager {
       await fs.utimes(file, now, now);
       lastRenewed = performance.now();
     };
+    let renewing = false;
     const timer = setInterval(() => {
       // Others declare it abandoned after a full lease without change: stop well before that, also
       // when a renewal never answers (a hard-mounted pool whose server went away hangs, not fails).
       if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
-      renew().catch((err: unknown) => {
-        this.log.warn({ lock: file, err }, 'could not renew a pool lock');
-        if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
-      });
+      if (renewing) return; // one at a time: hung ones would fill libuv's thread pool
+      renewing = true;
+      renew()
+        .catch((err: unknown) => {
+          this.log.warn({ lock: file, err }, 'could not renew a pool lock');
+          if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
+        })
+        .finally(() => {
+          renewing = false;
+        });
     }, this.heartbeatMs);
     timer.unref();
     return {
@@ -299,17 +306,28 @@ export class LockManager {
         if (released) return;
         released = true;
         clearInterval(timer);
-        let current: LockOwner | undefined;
-        try {
-          current = parseOwner(await readJson(file));
-        } catch {
-          current = undefined;
-        }
-        if (current?.token !== owner.token) {
-          this.log.error({ lock: file }, 'a lock this process held was taken over by another process');
+        const removeIfOurs = async (): Promise<void> => {
+          let current: LockOwner | undefined;
+          try {
+            current = parseOwner(await readJson(file));
+          } catch {
+            current = undefined;
+          }
+          if (current?.token !== owner.token) {
+            this.log.error({ lock: file }, 'a lock this process held was taken over by another process');
+            return;
+          }
+          await removeFile(file);
+        };
+        // Lost: the pool may not answer, and reading the file could hang the call that releases it.
+        // The file is removed when the pool answers (if it is still ours), without waiting for that.
+        if (controller.signal.aborted) {
+          removeIfOurs().catch((err: unknown) => {
+            this.log.warn({ lock: file, err }, 'could not remove a lost pool lock');
+          });
           return;
         }
-        await removeFile(file);
+        await removeIfOurs();
       },
     };
   }

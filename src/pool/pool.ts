@@ -176,10 +176,13 @@ export class Pool {
       );
       if (created) log.info({ pool: root }, 'created a new pool');
     }
-    const planted = await layoutProblem(layout);
-    if (planted) throw new PoolError(planted);
-    for (const sub of layout.ownDirs) await fs.mkdir(sub, { recursive: true, mode: 0o750 });
-    const problem = (await formatProblem(layout)) ?? (await layoutProblem(layout));
+    for (const sub of layout.ownDirs) {
+      // One that is not a directory (a symlink planted there) is reported by sweepTrash and check.
+      await fs.mkdir(sub, { recursive: true, mode: 0o750 }).catch((err: unknown) => {
+        if (errnoCode(err) !== 'EEXIST') throw err;
+      });
+    }
+    const problem = await formatProblem(layout);
     if (problem) throw new PoolError(problem);
     const id = await ensureId(layout, log);
     const pool = new Pool(root, id, name, log, options.lock ?? {});
@@ -354,10 +357,17 @@ export class Pool {
     await fs.rm(target, { recursive: true, force: true });
   }
 
-  /** Removes what an interrupted delete left in the trash (only what Pool.discard puts there). */
+  /**
+   * Removes what an interrupted delete left in the trash (only what Pool.discard puts there). Not
+   * while a directory of the pool is a symlink (see layoutProblem): the driver still serves then, so
+   * that pods keep their volumes and nodes can let go of them, but empties nothing.
+   */
   async sweepTrash(): Promise<void> {
     const problem = await layoutProblem(this.layout);
-    if (problem) throw new PoolError(problem);
+    if (problem) {
+      this.log.error({ problem }, 'the trash is not swept');
+      return;
+    }
     for (const entry of (await listDir(this.layout.trashDir)).filter(isTrashEntry)) {
       await fs
         .rm(path.join(this.layout.trashDir, entry), { recursive: true, force: true })

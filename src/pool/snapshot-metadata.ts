@@ -7,10 +7,11 @@
  * The delta compares extent maps where the pool shares extents (reflink: snapshots are clones of one
  * image, an unchanged range is the same physical blocks in both) and contents elsewhere (see delta.ts).
  */
-import fs, { type FileHandle } from 'node:fs/promises';
+import type { FileHandle } from 'node:fs/promises';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { contentDelta, extentDelta } from './delta.js';
 import { coalesce, dataRanges, extentMap, type ImageRef, type Range, union } from './extents.js';
+import { openImage } from './images.js';
 import type { Pool } from './pool.js';
 import type { SnapshotStore } from './snapshots.js';
 import type { SnapshotMeta } from './types.js';
@@ -51,7 +52,7 @@ export class SnapshotMetadataReader {
     if (!meta) return undefined;
     let handle: FileHandle;
     try {
-      handle = await fs.open(this.snapshots.imagePath(id), 'r');
+      handle = await openImage(this.snapshots.imagePath(id)); // a regular file, through no symlink
     } catch (err) {
       if (err instanceof Error && 'code' in err && err.code === 'ENOENT') return undefined;
       throw err;

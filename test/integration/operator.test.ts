@@ -244,7 +244,7 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
   it('finds exactly what is wrong, and exits 1', async () => {
     // Trash (made now: every driver start sweeps it): one entry older than --trash-age=3 by the time
     // of the check, one kept fresh.
-    p.oldTrash = path.join(pool, 'trash', `vol-${'0'.repeat(32)}.0ld0ld`);
+    p.oldTrash = path.join(pool, 'trash', `vol-${'0'.repeat(32)}.0123456789ab`);
     await fs.mkdir(p.oldTrash);
     await fs.writeFile(path.join(p.oldTrash, 'meta.json'), '{}');
     oldTrashAt = Date.now();

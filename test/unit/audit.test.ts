@@ -226,7 +226,7 @@ describe('poolFindings', () => {
       'unfinished-creation snap-left',
     ]);
   });
-  it('removes only locks of holders proven gone; reports unrenewed ones; removes old trash', () => {
+  it("removes only locks of holders proven gone; reports unrenewed ones; removes old trash of the driver's names", () => {
     const inv = emptyInventory();
     const lock = { file: '', holder: 'p', purpose: '', role: undefined, host: 'h', gone: undefined };
     inv.locks.push(
@@ -234,13 +234,18 @@ describe('poolFindings', () => {
       { ...lock, key: 'stale', ageSeconds: 600 },
       { ...lock, key: 'fresh', ageSeconds: 5 },
     );
-    inv.trash.push({ entry: 'vol-x.1', path: '/p/trash/vol-x.1', ageSeconds: 7200 });
-    inv.trash.push({ entry: 'vol-y.2', path: '/p/trash/vol-y.2', ageSeconds: 60 });
+    const x = `vol-${'1'.repeat(32)}.0123456789ab`;
+    const y = `vol-${'2'.repeat(32)}.0123456789ab`;
+    inv.trash.push({ entry: x, path: `/p/trash/${x}`, ageSeconds: 7200 });
+    inv.trash.push({ entry: y, path: `/p/trash/${y}`, ageSeconds: 60 });
+    // A name the driver never gives is reported, never removed.
+    inv.trash.push({ entry: 'planted', path: '/p/trash/planted', ageSeconds: 7200 });
     const found = poolFindings(inv, opts);
     expect(found.map((f) => [f.kind, f.gc?.action ?? '-'])).toEqual([
       ['abandoned-lock', 'remove-lock'],
       ['stale-lock', '-'],
       ['old-trash', 'remove-trash'],
+      ['old-trash', '-'],
     ]);
   });
 });
