@@ -15,6 +15,7 @@
  */
 import { conflict, missing } from '../errors.js';
 import { CommandError, detached } from '../exec/runner.js';
+import { isNodeId } from '../pool/ids.js';
 import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
 import type { HeldLock } from '../pool/lock.js';
 import type { Capacity } from '../pool/capacity.js';
@@ -111,6 +112,11 @@ async function copyHeld<T>(
   const writers: Writer[] = [];
   for (const volumeId of ids) {
     for (const lease of await d.volumes.leases(volumeId)) {
+      // An unreadable fence record names no node that could be asked to freeze: a writer may hold it.
+      if (!isNodeId(lease.node))
+        throw conflict(
+          `The fence record of volume ${volumeId} cannot be read, so whoever writes it cannot be asked to freeze; nothing was copied. See loopvol check.`,
+        );
       // A fenced node froze the filesystem for good: it writes no more.
       if (!lease.readonly && lease.fencedAt === undefined) writers.push({ volumeId, lease });
     }
@@ -146,10 +152,16 @@ async function copyHeld<T>(
     const frozenOnes = new Set(
       holds.filter((h) => h.answer.state === 'frozen').map((h) => h.writer.volumeId),
     );
-    // Written right now without a freeze (a raw block device): only an atomic clone will do.
+    // Written right now without a freeze (a raw block device): only an atomic clone will do, and only
+    // of one: two such clones, one after the other, would be of two instants (a torn group).
     const unfrozenWriters = new Set(
       holds.filter((h) => h.answer.state === 'not-freezable').map((h) => h.writer.volumeId),
     );
+    if (unfrozenWriters.size > 1) {
+      throw conflict(
+        `Volumes ${[...unfrozenWriters].join(', ')} are raw block devices in use on nodes, which cannot be frozen, so their copies would be of different instants. Stop the workloads using all but one of them and retry.`,
+      );
+    }
     const plan: CopyPlan = {
       takenAt: new Date(),
       source: (volumeId) => {
@@ -214,6 +226,13 @@ async function copyHeld<T>(
       },
     };
     const out = await fn(plan);
+    // By this process's clock first: a node thaws when the time is up even if it cannot say so (a
+    // pool that hangs), and its answer would still read "frozen". Its clock started after `asked`.
+    if (frozenOnes.size > 0 && performance.now() > asked + ttlMs - FREEZE_SLACK_MS) {
+      throw conflict(
+        `The freezes ran out (${Math.round(ttlMs / 1000)} s) before the copies ended; the copies were discarded, retry.`,
+      );
+    }
     // The copies count only if every freeze held until now.
     for (const h of holds) {
       if (h.answer.state !== 'frozen') continue;

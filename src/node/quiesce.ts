@@ -18,6 +18,8 @@ import { type FenceGuard, type KeyLocks, nodeKey } from './fence.js';
 import { isDeviceBind, loopOfMount, lookAtHost, type NodeDeps, othersLoops, stagingLoop } from './on-host.js';
 
 const POLL_MS = 200;
+/** How long an expiry waits to write "expired" before it thaws anyway. */
+const EXPIRE_WRITE_MS = 1_000;
 
 interface Frozen {
   request: QuiesceRequest;
@@ -40,7 +42,9 @@ export class QuiesceAgent {
    */
   private readonly stuck = new Map<string, Frozen>();
   private answers = new Map<string, QuiesceAnswer>();
-  private dirty = false;
+  /** Bumped by every change of `answers`; `written` is the version the pool holds. */
+  private version = 0;
+  private written = 0;
   private timer: NodeJS.Timeout | undefined;
   private running: Promise<void> | undefined;
   private stopped = false;
@@ -125,7 +129,7 @@ export class QuiesceAgent {
         .then((answer) => {
           if (answer) {
             this.answers.set(r.requestId, answer);
-            this.dirty = true;
+            this.version++;
           }
         })
         .finally(() => {
@@ -139,7 +143,7 @@ export class QuiesceAgent {
     for (const id of [...this.answers.keys()]) {
       if (!standingIds.has(id) && !this.frozen.has(id)) {
         this.answers.delete(id);
-        this.dirty = true;
+        this.version++;
       }
     }
     await this.flush();
@@ -160,8 +164,10 @@ export class QuiesceAgent {
       state: 'expired',
       message: 'thawed when its time was up',
     });
-    this.dirty = true;
-    await this.flush();
+    this.version++;
+    // Not waiting longer than that for a pool that hangs: the controller discards a copy that ended
+    // past this time by its own clock, whatever the answer says, so the thaw need not wait for it.
+    await Promise.race([this.flush(), new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
     await this.thaw(f, 'expired');
     this.log.warn(
       { volumeId: f.request.volumeId, by: f.request.by },
@@ -170,10 +176,13 @@ export class QuiesceAgent {
   }
 
   private async flush(): Promise<void> {
-    if (!this.dirty) return;
+    if (this.version === this.written) return;
+    // An answer an in-flight freeze adds while this writes is a later version: written next time,
+    // never taken for written (the map is serialized when the write starts).
+    const version = this.version;
     try {
       await this.board.writeAnswers(this.d.nodeId, this.answers);
-      this.dirty = false;
+      this.written = Math.max(this.written, version);
     } catch (err) {
       this.log.warn(
         { err: errnoCode(err) ?? String(err) },
@@ -293,7 +302,7 @@ export class QuiesceAgent {
     if (state !== 'failed') telemetry.thawed((performance.now() - f.at) / 1000);
     if (state === 'thawed') {
       this.answers.set(f.request.requestId, { volumeId: f.request.volumeId, state, message: 'thawed' });
-      this.dirty = true;
+      this.version++;
     }
     if (state !== 'failed')
       this.log.info({ volumeId: f.request.volumeId, state }, 'thawed a filesystem frozen for a copy');

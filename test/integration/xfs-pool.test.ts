@@ -7,7 +7,7 @@
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
-import { mountCap, TestEnv } from '../helpers/env.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf } from '../helpers/grpc.js';
 import { isRoot, MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
@@ -81,5 +81,23 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
       restored: { stage: 'OK', sum },
       cloned: { stage: 'OK', sum },
     });
+  });
+
+  it('refuses a group snapshot of two raw block volumes in use (no freeze: two instants), takes one of one', async () => {
+    const cap = blockCap();
+    const a = await createVolume(d, 'grp-a', cap, 16 * MiB);
+    const b = await createVolume(d, 'grp-b', cap, 16 * MiB);
+    const st = (id: string) => path.join(base, `st-${id}`);
+    await stage(d, a.id, st(a.id), cap);
+    await stage(d, b.id, st(b.id), cap);
+    const both = await codeOf(
+      d.clients.group.CreateVolumeGroupSnapshot({ name: 'grp-both', source_volume_ids: [a.id, b.id] }),
+    );
+    await d.clients.node.NodeUnstageVolume({ volume_id: b.id, staging_target_path: st(b.id) });
+    const one = await codeOf(
+      d.clients.group.CreateVolumeGroupSnapshot({ name: 'grp-one', source_volume_ids: [a.id, b.id] }),
+    );
+    await d.clients.node.NodeUnstageVolume({ volume_id: a.id, staging_target_path: st(a.id) });
+    expect({ both, one }).toEqual({ both: 'FAILED_PRECONDITION', one: 'OK' });
   });
 });

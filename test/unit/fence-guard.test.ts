@@ -8,6 +8,7 @@ import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it, vi } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { expandVolume } from '../../src/node/grow.js';
+import { stageVolume } from '../../src/node/stage.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
 import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
 import { Turns } from '../../src/pool/turns.js';
@@ -15,6 +16,7 @@ import { InFlight } from '../../src/server/inflight.js';
 import { commandError, FakeHost } from '../helpers/fake-host.js';
 import {
   attachTo,
+  cap,
   codeOf,
   log,
   newVolume,
@@ -340,6 +342,51 @@ describe('freezes for copies', () => {
     await agent.tick();
     expect(w.host.frozen.has('/dev/loop0')).toBe(false);
     await agent.stop();
+  });
+
+  it('thaws when its time is up even if writing the answer hangs (a pool gone under a hard mount)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 50, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    board.writeAnswers = () => new Promise(() => undefined);
+    await new Promise((res) => setTimeout(res, 80));
+    await Promise.race([agent.tick(), new Promise((res) => setTimeout(res, 3000))]);
+    expect(w.host.frozen.has('/dev/loop0')).toBe(false);
+  });
+
+  it('never loses an answer made while the answers are being written', async () => {
+    const w = await world();
+    const ids = [(await newVolume(w)).id, (await newVolume(w)).id];
+    for (const [i, id] of ids.entries()) {
+      const staging = `${STAGING}-${i}`;
+      w.host.addPath(staging);
+      await stageVolume(w.d, w.x, { id, staging, cap: cap(), publishPool: undefined, poolId: undefined });
+    }
+    const { board, agent, answered } = await agentOf(w);
+    const write = board.writeAnswers.bind(board);
+    // Each write takes a while (what it writes is read when it starts, as the real one does), so
+    // that freezes started beside the loop answer during one.
+    board.writeAnswers = async (node, answers) => {
+      const now = new Map(answers);
+      await new Promise((res) => setTimeout(res, 15));
+      await write(node, now);
+    };
+    // Back-to-back copies: the next request is posted as the previous one is withdrawn, so one round
+    // both drops the old answer (a write) and starts the new freeze, which answers during that write.
+    let unanswered = 0;
+    let previous: QuiesceRequest | undefined;
+    for (let i = 0; i < 12; i++) {
+      if (previous) await board.withdraw(NODE, previous);
+      const r = await board.post(NODE, ids[i % 2] ?? '', 60_000, 'test', `copy ${i}`);
+      const a = await answered(r).catch(() => undefined);
+      if (!a) unanswered++;
+      previous = r;
+    }
+    await agent.stop();
+    expect(unanswered).toBe(0);
   });
 
   it('keeps the volume (no unstage) and thaws again until a failed thaw succeeds', async () => {
