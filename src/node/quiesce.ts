@@ -100,6 +100,18 @@ export class QuiesceAgent {
     if (this.timer) clearTimeout(this.timer);
     await this.running;
     await Promise.allSettled([...this.inFlight]); // freezes started beside the loop
+    // Said before the thaw, as an expiry is: a controller still copying under one of these must learn
+    // that its copy is no longer frozen before anything can write the volume. A pool that hangs gets
+    // 1 s, then the thaw goes ahead (a pod is not kept frozen by it).
+    for (const f of this.frozen.values()) {
+      this.answers.set(f.request.requestId, {
+        volumeId: f.request.volumeId,
+        state: 'expired',
+        message: 'the node plugin stopped; the freeze ended',
+      });
+      this.version++;
+    }
+    await Promise.race([this.flush(), new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
     for (const f of [...this.frozen.values(), ...this.stuck.values()]) await this.thaw(f, 'thawed');
     if (this.answers.size > 0)
       await this.board.writeAnswers(this.d.nodeId, this.answers).catch(() => undefined);

@@ -357,6 +357,24 @@ describe('freezes for copies', () => {
     expect(w.host.frozen.has('/dev/loop0')).toBe(false);
   });
 
+  it('says "expired" before it thaws when the plugin stops, so no copy under the freeze is taken for frozen', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const write = board.writeAnswers.bind(board);
+    const seen: string[] = [];
+    board.writeAnswers = async (node, answers) => {
+      seen.push(`${answers.get(r.requestId)?.state ?? '-'} frozen=${w.host.frozen.has('/dev/loop0')}`);
+      await write(node, answers);
+    };
+    await agent.stop();
+    expect(seen[0]).toBe('expired frozen=true');
+    expect(w.host.frozen.has('/dev/loop0')).toBe(false);
+  });
+
   it('never loses an answer made while the answers are being written', async () => {
     const w = await world();
     const ids = [(await newVolume(w)).id, (await newVolume(w)).id];
