@@ -206,8 +206,8 @@ export async function startDriver(
   // Only once its predecessor is gone: one still finishing its calls holds what it works on.
   const leavePresence =
     role && config.endpoint.kind === 'unix' ? await awaitPredecessor(config.endpoint.path, log) : undefined;
-  const openOptions = { create: config.createPool, lock: role ? { role } : {} };
   const runner = options.runner ?? new ExecRunner();
+  const openOptions = { create: config.createPool, lock: role ? { role } : {}, runner };
   const inflight = new InFlight();
   let state: PoolState;
   try {

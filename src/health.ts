@@ -5,7 +5,7 @@ import { orAfter } from './limit.js';
 import type { Pool } from './pool/pool.js';
 
 /** Tools the controller runs: preallocation, sparse copies, and a look at what a source image holds. */
-export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'blkid'] as const;
+export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'blkid', 'rm'] as const;
 /** Tools the node plugin runs. */
 export const NODE_TOOLS = [
   'losetup',
@@ -21,6 +21,7 @@ export const NODE_TOOLS = [
   'xfs_growfs',
   'btrfs',
   'fsfreeze',
+  'rm',
 ] as const;
 
 export function toolsFor(mode: Mode): string[] {

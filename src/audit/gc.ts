@@ -176,7 +176,8 @@ async function removeTrash(d: GcDeps, f: Finding, entry: string): Promise<GcOutc
     const age = (Date.now() - Math.max(st.mtimeMs, st.ctimeMs)) / 1000;
     if (age <= d.trashAgeSeconds)
       return { finding: f, result: 'skipped', message: 'not old any more; left alone' };
-    await fs.rm(p, { recursive: true, force: true });
+    // By file descriptor, never following a symlink (see Pool's runner).
+    await d.x.run('rm', ['-rf', '--one-file-system', '--', p], { timeoutMs: 30 * 60_000 });
     return { finding: f, result: 'removed', message: `removed ${p}` };
   } catch (err) {
     if (errnoCode(err) === 'ENOENT')

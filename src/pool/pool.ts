@@ -9,6 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { busy, DomainError, errnoCode, unavailable, unsafe } from '../errors.js';
+import { bindExec, type Runner } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import { telemetry } from '../telemetry.js';
 import {
@@ -57,6 +58,12 @@ export interface OpenOptions {
    * nothing is created, no id is given, and the trash is not swept (it is reported instead).
    */
   inspect?: boolean;
+  /**
+   * Runs `rm -rf --one-file-system` for what goes out through the trash: GNU rm walks a tree by file
+   * descriptor and never follows a symlink, even one swapped in while it walks (fs.rm walks by path).
+   * Anyone who can write a shared pool can write into a deleted volume's directory. Without it, fs.rm.
+   */
+  runner?: Runner;
 }
 
 async function formatProblem(layout: PoolLayout): Promise<string | undefined> {
@@ -113,13 +120,22 @@ export class Pool {
   /** What the pool's filesystem can do: reflink, the largest file, how fast it copies. */
   readonly fs: PoolFilesystem;
 
+  private readonly removeTree: (p: string) => Promise<void>;
+
   private constructor(
     readonly root: string,
     readonly id: string,
     readonly name: string,
     readonly log: Logger,
     lockOptions: LockOptions,
+    runner?: Runner,
   ) {
+    const x = runner && bindExec(runner, { log });
+    this.removeTree = x
+      ? async (p) => {
+          await x.run('rm', ['-rf', '--one-file-system', '--', p], { timeoutMs: 30 * 60_000 });
+        }
+      : (p) => fs.rm(p, { recursive: true, force: true });
     this.layout = new PoolLayout(root);
     this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
     this.fs = new PoolFilesystem(this.layout);
@@ -185,7 +201,7 @@ export class Pool {
     const problem = await formatProblem(layout);
     if (problem) throw new PoolError(problem);
     const id = await ensureId(layout, log);
-    const pool = new Pool(root, id, name, log, options.lock ?? {});
+    const pool = new Pool(root, id, name, log, options.lock ?? {}, options.runner);
     await pool.sweepTrash();
     return pool;
   }
@@ -354,7 +370,7 @@ export class Pool {
     }
     await fsyncDir(path.dirname(dir));
     failpoint('discard:moved');
-    await fs.rm(target, { recursive: true, force: true });
+    await this.removeTree(target);
   }
 
   /**
@@ -369,11 +385,9 @@ export class Pool {
       return;
     }
     for (const entry of (await listDir(this.layout.trashDir)).filter(isTrashEntry)) {
-      await fs
-        .rm(path.join(this.layout.trashDir, entry), { recursive: true, force: true })
-        .catch((err: unknown) => {
-          this.log.warn({ entry, err }, 'could not empty a trash entry');
-        });
+      await this.removeTree(path.join(this.layout.trashDir, entry)).catch((err: unknown) => {
+        this.log.warn({ entry, err }, 'could not empty a trash entry');
+      });
     }
   }
 }

@@ -119,6 +119,18 @@ describe.skipIf(!isRoot())('links planted in the pool', () => {
     });
   });
 
+  it('DeleteVolume of a volume whose directory holds a planted symlink removes the link, not what it leads to', async () => {
+    const base = await env.dir('planted-delete');
+    const d = await env.driver({ dir: base });
+    const victim = path.join(base, 'victim');
+    await fs.mkdir(victim);
+    await fs.writeFile(path.join(victim, 'keep'), 'keep');
+    const { id } = await createVolume(d, 'planted-del', mountCap('ext4'), 16 * MiB, null);
+    await fs.symlink(victim, path.join(d.poolDir, 'volumes', id, 'spool'));
+    const code = await codeOf(d.clients.controller.DeleteVolume({ volume_id: id }));
+    expect({ code, victim: await fs.readdir(victim) }).toEqual({ code: 'OK', victim: ['keep'] });
+  });
+
   it("gc of a pool holding a link to another pool's image leaves that pool's live volume mounted", async () => {
     const base = await env.dir('planted-gc');
     const d = await env.driver({ dir: base });

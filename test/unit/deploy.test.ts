@@ -833,6 +833,7 @@ describe('the Dockerfile', () => {
       'mkfs.btrfs': 'btrfs-progs',
       btrfs: 'btrfs-progs',
       cp: 'coreutils',
+      rm: 'coreutils',
     };
     for (const tool of new Set<string>([...NODE_TOOLS, ...CONTROLLER_TOOLS])) {
       const pkg = packageOf[tool];
