@@ -121,6 +121,17 @@ async function copyHeld<T>(
       if (!lease.readonly && lease.fencedAt === undefined) writers.push({ volumeId, lease });
     }
   }
+  // A raw block device in use cannot be frozen: only an atomic clone will do, and only of one, since
+  // two clones one after the other would be of two instants (a torn group). Refused before anything
+  // is frozen.
+  const blockWriters = [
+    ...new Set(writers.filter((w) => w.lease.accessType === 'block').map((w) => w.volumeId)),
+  ];
+  if (blockWriters.length > 1) {
+    throw conflict(
+      `Volumes ${blockWriters.join(', ')} are raw block devices in use on nodes, which cannot be frozen, so their copies would be of different instants. Stop the workloads using all but one of them and retry.`,
+    );
+  }
   const reflink = await d.pool.fs.canReflink();
   let ttlMs = CLONE_FREEZE_MS;
   if (!reflink && writers.length > 0) {
@@ -152,16 +163,11 @@ async function copyHeld<T>(
     const frozenOnes = new Set(
       holds.filter((h) => h.answer.state === 'frozen').map((h) => h.writer.volumeId),
     );
-    // Written right now without a freeze (a raw block device): only an atomic clone will do, and only
-    // of one: two such clones, one after the other, would be of two instants (a torn group).
+    // Written right now without a freeze (a raw block device): only an atomic clone will do.
     const unfrozenWriters = new Set(
       holds.filter((h) => h.answer.state === 'not-freezable').map((h) => h.writer.volumeId),
     );
-    if (unfrozenWriters.size > 1) {
-      throw conflict(
-        `Volumes ${[...unfrozenWriters].join(', ')} are raw block devices in use on nodes, which cannot be frozen, so their copies would be of different instants. Stop the workloads using all but one of them and retry.`,
-      );
-    }
+    let copiesEnded = 0;
     const plan: CopyPlan = {
       takenAt: new Date(),
       source: (volumeId) => {
@@ -211,6 +217,7 @@ async function copyHeld<T>(
               err,
             );
           });
+          copiesEnded = Math.max(copiesEnded, performance.now());
           if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
           // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
           if (result.method === 'reflink') await d.volumes.markShared(volumeId, await allocatedBytes(dst));
@@ -228,7 +235,8 @@ async function copyHeld<T>(
     const out = await fn(plan);
     // By this process's clock first: a node thaws when the time is up even if it cannot say so (a
     // pool that hangs), and its answer would still read "frozen". Its clock started after `asked`.
-    if (frozenOnes.size > 0 && performance.now() > asked + ttlMs - FREEZE_SLACK_MS) {
+    // What counts is when the last copy ended, not the records written after.
+    if (frozenOnes.size > 0 && copiesEnded > asked + ttlMs - FREEZE_SLACK_MS) {
       throw conflict(
         `The freezes ran out (${Math.round(ttlMs / 1000)} s) before the copies ended; the copies were discarded, retry.`,
       );

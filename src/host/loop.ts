@@ -9,7 +9,7 @@
  * reads something like /volumes/vol-…/disk.img for an image it knows as /var/lib/loopvol/pool/….
  */
 import { existsSync, readFileSync } from 'node:fs';
-import fs from 'node:fs/promises';
+import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
@@ -184,7 +184,30 @@ export async function attachLoop(
   // An image is a regular file the driver made. A symlink or a device planted in its place (anyone
   // who can write to a shared pool can) would hand the host's disk to a pod, or to mkfs: losetup
   // attaches the file checked, through the handle.
-  return withImage(image, !opts.readOnly, (h) => attachChecked(x, image, pinnedPath(h), id, opts));
+  return withImage(image, !opts.readOnly, async (h) => {
+    const pinned = pinnedPath(h);
+    const loop = await attachChecked(x, image, pinned, id, opts);
+    // With direct I/O, kernels from 6.x give a loop device the backing file's direct-I/O alignment as
+    // its sector size: 4096 for an image on an XFS pool once it shares blocks (its first snapshot or
+    // clone), where the XFS in it was made on 512-byte sectors and no longer mounts. Such an image is
+    // attached again at its XFS's sector size; the kernel then uses buffered I/O for it (the stage
+    // says so). Nothing else changes geometry: every other image keeps the kernel's choice, as before.
+    const sector = await xfsSectorSize(h);
+    const was = Number(readSys(path.join(SYS_BLOCK, loop.name, 'queue', 'logical_block_size')) ?? '512');
+    if (sector === undefined || was <= sector) return loop;
+    await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
+    x.log.info({ device: loop.path, was, sector }, 'attaching again at the sector size of the XFS it holds');
+    return attachChecked(x, image, pinned, id, opts, sector);
+  });
+}
+
+/** The sector size of the XFS an image holds (its superblock's sb_sectsize); undefined for anything else. */
+async function xfsSectorSize(h: FileHandle): Promise<number | undefined> {
+  const buf = Buffer.alloc(104);
+  const { bytesRead } = await h.read(buf, 0, buf.length, 0);
+  if (bytesRead < buf.length || buf.toString('latin1', 0, 4) !== 'XFSB') return undefined;
+  const size = buf.readUInt16BE(102);
+  return size >= 512 && size <= 32768 && (size & (size - 1)) === 0 ? size : undefined;
 }
 
 async function attachChecked(
@@ -193,21 +216,15 @@ async function attachChecked(
   pinned: string,
   id: FileId | undefined,
   opts: AttachOptions,
+  sectorSize?: number,
 ): Promise<LoopDevice> {
-  // 512-byte logical blocks, always. With direct I/O, newer kernels (6.x) otherwise give the device
-  // the backing file's direct I/O alignment: 4096 for an XFS-pool image once it shares blocks (after
-  // its first snapshot or clone), and an XFS made with 512-byte sectors no longer mounts on it, nor
-  // does a pod's partition table keep its meaning. Where the alignment does not allow direct I/O at
-  // 512, the kernel falls back to buffered I/O (the attach says so: `directIo`). Old kernels or
-  // losetups that cannot set it attach as before (512 there anyway).
-  let sectorSize = true;
+  const args = ['--find', '--show'];
+  if (opts.readOnly) args.push('--read-only');
+  if (opts.directIo) args.push('--direct-io=on');
+  if (sectorSize !== undefined) args.push(`--sector-size=${sectorSize}`);
+  args.push(pinned);
   let lastErr: unknown;
-  for (let attempt = 0; attempt < 5; attempt++) {
-    const args = ['--find', '--show'];
-    if (opts.readOnly) args.push('--read-only');
-    if (opts.directIo) args.push('--direct-io=on');
-    if (sectorSize) args.push('--sector-size=512');
-    args.push(pinned);
+  for (let attempt = 0; attempt < 4; attempt++) {
     try {
       const { stdout } = await x.run('losetup', args, { timeoutMs: 30_000 });
       const dev = stdout.trim();
@@ -222,18 +239,6 @@ async function attachChecked(
       return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;
-      if (
-        sectorSize &&
-        err instanceof CommandError &&
-        /sector|block size|unrecognized option/i.test(err.stderr)
-      ) {
-        x.log.warn(
-          { stderr: err.lastStderrLine },
-          'losetup cannot set a sector size here; attaching without',
-        );
-        sectorSize = false;
-        continue;
-      }
       // Two attaches racing for the same free device: one gets EBUSY; try again.
       if (!(err instanceof CommandError && /busy/i.test(err.stderr))) throw err;
     }

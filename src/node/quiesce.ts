@@ -46,6 +46,11 @@ export class QuiesceAgent {
   private version = 0;
   private written = 0;
   private timer: NodeJS.Timeout | undefined;
+  private watchdog: NodeJS.Timeout | undefined;
+  /** Requests whose expiry is under way (the loop and the watchdog both look). */
+  private readonly expiring = new Set<string>();
+  /** The answers' writes, one after the other: the pool never ends up with an older map. */
+  private writes: Promise<void> = Promise.resolve();
   private running: Promise<void> | undefined;
   private stopped = false;
   private readonly x: Exec;
@@ -81,6 +86,12 @@ export class QuiesceAgent {
   /** Starts answering requests. */
   run(): void {
     this.schedule();
+    // Expiries by the clock alone, beside the loop: a round that hangs on the pool (a hard mount whose
+    // server went away) must not keep a pod frozen past its time.
+    this.watchdog = setInterval(() => {
+      for (const f of [...this.frozen.values()]) if (this.due(f)) void this.expireOnce(f);
+    }, POLL_MS);
+    this.watchdog.unref();
   }
 
   private schedule(): void {
@@ -98,6 +109,7 @@ export class QuiesceAgent {
   async stop(): Promise<void> {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
+    if (this.watchdog) clearInterval(this.watchdog);
     await this.running;
     await Promise.allSettled([...this.inFlight]); // freezes started beside the loop
     // Said before the thaw, as an expiry is: a controller still copying under one of these must learn
@@ -111,7 +123,13 @@ export class QuiesceAgent {
       });
       this.version++;
     }
-    await Promise.race([this.flush(), new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
+    if (!(await this.flushWithin(EXPIRE_WRITE_MS))) {
+      // Not said: the controller would take a copy made after the thaw for frozen. Its own clock
+      // discards copies that end past a freeze's time, so the thaw waits for that time (seconds).
+      const until = Math.max(0, ...[...this.frozen.values()].map((f) => f.at + f.request.ttlMs));
+      const wait = Math.min(until - performance.now(), 60_000);
+      if (wait > 0) await new Promise((r) => setTimeout(r, wait));
+    }
     for (const f of [...this.frozen.values(), ...this.stuck.values()]) await this.thaw(f, 'thawed');
     if (this.answers.size > 0)
       await this.board.writeAnswers(this.d.nodeId, this.answers).catch(() => undefined);
@@ -126,13 +144,13 @@ export class QuiesceAgent {
     } catch (err) {
       // Nobody can be asked to withdraw now, so time is what ends a freeze: expire what is due.
       this.log.warn({ err: errnoCode(err) ?? String(err) }, 'reading freeze requests failed; trying again');
-      for (const f of [...this.frozen.values()]) if (this.due(f)) await this.expire(f);
+      for (const f of [...this.frozen.values()]) if (this.due(f)) await this.expireOnce(f);
       return;
     }
     for (const f of [...this.frozen.values()]) {
       const standing = requests.get(f.request.volumeId);
       if (standing?.requestId !== f.request.requestId) await this.thaw(f, 'thawed');
-      else if (this.due(f)) await this.expire(f);
+      else if (this.due(f)) await this.expireOnce(f);
     }
     for (const r of requests.values()) {
       if (this.answers.has(r.requestId) || this.acting.has(r.requestId)) continue;
@@ -170,6 +188,17 @@ export class QuiesceAgent {
    * is no longer frozen); if that cannot be written (a full or failing pool), it thaws all the same:
    * the controller stops copying before this time by its own clock, and a pod must not stay frozen.
    */
+  private async expireOnce(f: Frozen): Promise<void> {
+    const id = f.request.requestId;
+    if (this.expiring.has(id)) return;
+    this.expiring.add(id);
+    try {
+      await this.expire(f);
+    } finally {
+      this.expiring.delete(id);
+    }
+  }
+
   private async expire(f: Frozen): Promise<void> {
     this.answers.set(f.request.requestId, {
       volumeId: f.request.volumeId,
@@ -179,7 +208,7 @@ export class QuiesceAgent {
     this.version++;
     // Not waiting longer than that for a pool that hangs: the controller discards a copy that ended
     // past this time by its own clock, whatever the answer says, so the thaw need not wait for it.
-    await Promise.race([this.flush(), new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
+    await this.flushWithin(EXPIRE_WRITE_MS);
     await this.thaw(f, 'expired');
     this.log.warn(
       { volumeId: f.request.volumeId, by: f.request.by },
@@ -187,14 +216,27 @@ export class QuiesceAgent {
     );
   }
 
-  private async flush(): Promise<void> {
+  /** Whether the answers as they are now reached the pool within `ms`. */
+  private async flushWithin(ms: number): Promise<boolean> {
+    const version = this.version;
+    await Promise.race([this.flush(), new Promise((r) => setTimeout(r, ms).unref())]);
+    return this.written >= version;
+  }
+
+  private flush(): Promise<void> {
+    const next = this.writes.then(() => this.write());
+    this.writes = next;
+    return next;
+  }
+
+  private async write(): Promise<void> {
     if (this.version === this.written) return;
     // An answer an in-flight freeze adds while this writes is a later version: written next time,
     // never taken for written (the map is serialized when the write starts).
     const version = this.version;
     try {
       await this.board.writeAnswers(this.d.nodeId, this.answers);
-      this.written = Math.max(this.written, version);
+      this.written = version;
     } catch (err) {
       this.log.warn(
         { err: errnoCode(err) ?? String(err) },

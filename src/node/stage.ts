@@ -182,7 +182,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       if (d.loopDirectIo && !loop.directIo)
         x.log.warn(
           { device: loop.path },
-          "direct I/O fell back to buffered: the image's alignment on the pool does not allow it at 512-byte sectors (on XFS pools, once it shares blocks with a snapshot or clone)",
+          "direct I/O fell back to buffered: the image's alignment on the pool does not allow it at its filesystem's sector size (on XFS pools, once it shares blocks with a snapshot or clone)",
         );
       return loop;
     } catch (err) {

@@ -166,6 +166,15 @@ export class PoolLayout {
  * empty the directory it leads to. Missing ones are fine (made, or not yet).
  */
 export async function layoutProblem(layout: PoolLayout): Promise<string | undefined> {
+  // Deletes and quarantines move directories between these by rename(2): one filesystem for all.
+  const moved = new Set([
+    layout.volumesDir,
+    layout.snapshotsDir,
+    layout.groupsDir,
+    layout.trashDir,
+    layout.quarantineDir,
+  ]);
+  let first: { dir: string; dev: number } | undefined;
   for (const dir of layout.ownDirs) {
     let st;
     try {
@@ -176,6 +185,10 @@ export async function layoutProblem(layout: PoolLayout): Promise<string | undefi
     }
     if (!st.isDirectory())
       return `${dir} is not a directory (${st.isSymbolicLink() ? 'a symlink' : 'another kind of file'}); the driver never follows it. Put back a directory of the pool there.`;
+    if (!moved.has(dir)) continue;
+    first ??= { dir, dev: st.dev };
+    if (st.dev !== first.dev)
+      return `${dir} is on another filesystem than ${first.dir}; deletes move directories from one to the other (rename), so they must be one.`;
   }
   return undefined;
 }

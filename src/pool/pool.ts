@@ -361,6 +361,9 @@ export class Pool {
 
   /** Deletes a directory tree: renamed into the trash first (atomic), then removed. */
   async discard(dir: string): Promise<void> {
+    // Never into a trash that is a symlink (renamed into a place someone chose, then removed there).
+    const problem = await layoutProblem(this.layout);
+    if (problem) throw unsafe(`Nothing was deleted: ${problem}`);
     const target = path.join(this.layout.trashDir, `${path.basename(dir)}.${randomBytes(6).toString('hex')}`);
     try {
       await fs.rename(dir, target);

@@ -4,6 +4,7 @@
  * direct-I/O loop device 4096-byte sectors, and the XFS in it (made on 512-byte sectors) no longer
  * mounted: the volume could never be staged again, and its restores and clones never mounted.
  */
+import { execFileSync } from 'node:child_process';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
@@ -13,6 +14,7 @@ import { isRoot, MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
+const sh = (cmd: string, args: string[]): string => execFileSync(cmd, args, { encoding: 'utf8' });
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
@@ -54,7 +56,7 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
       volume_capabilities: [cap],
       volume_content_source: { volume: { volume_id: src.id } },
     });
-    const result: Record<string, { stage: string; sum?: string }> = {};
+    const result: Record<string, { stage: string; sum?: string; sectors?: string }> = {};
     for (const [n, id] of [
       ['src', src.id],
       ['restored', restored.volume?.volume_id ?? ''],
@@ -73,13 +75,18 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
         continue;
       }
       await publish(d, id, st(n), tg(n), cap);
-      result[n] = { stage: code, sum: await sha256(path.join(tg(n), 'data.bin')) };
+      const device = sh('findmnt', ['--noheadings', '--output', 'SOURCE', '--mountpoint', st(n)]).trim();
+      result[n] = {
+        stage: code,
+        sum: await sha256(path.join(tg(n), 'data.bin')),
+        sectors: sh('blockdev', ['--getss', device]).trim(), // the XFS's, 512: what it was made on
+      };
       await down(id, n);
     }
     expect(result).toEqual({
-      src: { stage: 'OK', sum },
-      restored: { stage: 'OK', sum },
-      cloned: { stage: 'OK', sum },
+      src: { stage: 'OK', sum, sectors: '512' },
+      restored: { stage: 'OK', sum, sectors: '512' },
+      cloned: { stage: 'OK', sum, sectors: '512' },
     });
   });
 

@@ -357,6 +357,22 @@ describe('freezes for copies', () => {
     expect(w.host.frozen.has('/dev/loop0')).toBe(false);
   });
 
+  it('thaws when its time is up while its rounds hang on the pool (reads and writes)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const { board, agent, answered } = await agentOf(w);
+    const r = await board.post(NODE, id, 300, 'test', 'snapshot');
+    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const hang = () => new Promise<never>(() => undefined);
+    board.requests = hang;
+    board.writeAnswers = hang;
+    agent.run();
+    for (let i = 0; i < 100 && w.host.frozen.has('/dev/loop0'); i++)
+      await new Promise((res) => setTimeout(res, 30));
+    expect(w.host.frozen.has('/dev/loop0')).toBe(false);
+  });
+
   it('says "expired" before it thaws when the plugin stops, so no copy under the freeze is taken for frozen', async () => {
     const w = await world();
     const { id } = await newVolume(w);
