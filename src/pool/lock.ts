@@ -78,6 +78,15 @@ function identity(): Promise<Identity> {
   return selfIdentity;
 }
 
+/** The owner a lock file names; undefined when it cannot be read or parsed. */
+async function readOwner(file: string): Promise<LockOwner | undefined> {
+  try {
+    return parseOwner(await readJson(file));
+  } catch {
+    return undefined;
+  }
+}
+
 function parseOwner(v: unknown): LockOwner | undefined {
   if (!isRecord(v)) return undefined;
   const { host, bootId, pidNs, pid, start, token, purpose, since, role } = v;
@@ -198,12 +207,7 @@ export class LockManager {
       }
       throw err;
     }
-    let owner: LockOwner | undefined;
-    try {
-      owner = parseOwner(await readJson(file));
-    } catch {
-      owner = undefined; // unreadable: judged by whether it changes
-    }
+    const owner = await readOwner(file); // unreadable: judged by whether it changes
     const me = await identity();
     if (owner && owner.bootId === me.bootId) {
       if (owner.pidNs === me.pidNs) {
@@ -237,12 +241,7 @@ export class LockManager {
       if (errnoCode(err) === 'ENOENT') return true; // someone else broke it; try again
       throw err;
     }
-    let taken: LockOwner | undefined;
-    try {
-      taken = parseOwner(await readJson(aside));
-    } catch {
-      taken = undefined;
-    }
+    const taken = await readOwner(aside);
     if (seen && taken?.token !== seen.token) {
       // A fresh lock replaced the stale one between our look and the rename: give it back.
       await fs.link(aside, file).catch(() => undefined);
@@ -263,12 +262,7 @@ export class LockManager {
       this.log.error({ lock: file, why }, 'lost a pool lock; stopping the work done under it');
     };
     const renew = async (): Promise<void> => {
-      let current: LockOwner | undefined;
-      try {
-        current = parseOwner(await readJson(file));
-      } catch {
-        current = undefined;
-      }
+      const current = await readOwner(file);
       if (released) return;
       if (current?.token !== owner.token) {
         lose('another process took the lock over');
@@ -307,12 +301,7 @@ export class LockManager {
         released = true;
         clearInterval(timer);
         const removeIfOurs = async (): Promise<void> => {
-          let current: LockOwner | undefined;
-          try {
-            current = parseOwner(await readJson(file));
-          } catch {
-            current = undefined;
-          }
+          const current = await readOwner(file);
           if (current?.token !== owner.token) {
             this.log.error({ lock: file }, 'a lock this process held was taken over by another process');
             return;

@@ -247,6 +247,17 @@ async function agentOf(w: World, keys = new InFlight()) {
   return { guard, board, agent, answered, keys };
 }
 
+/** A staged volume whose filesystem the agent froze for request `r` (ttl `ttlMs`). */
+async function frozenFor(ttlMs: number) {
+  const w = await world();
+  const { id } = await newVolume(w);
+  await stage(w, id);
+  const parts = await agentOf(w);
+  const r = await parts.board.post(NODE, id, ttlMs, 'test', 'snapshot');
+  expect(await parts.answered(r)).toMatchObject({ state: 'frozen' });
+  return { w, r, ...parts };
+}
+
 describe('a stage that races a detach', () => {
   it('takes no lease once the volume was detached from its node, until it is published there again', async () => {
     const w = await world();
@@ -330,12 +341,7 @@ describe('freezes for copies', () => {
   });
 
   it('thaws when its time is up even if the answer cannot be written', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 50, 'test', 'snapshot');
-    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const { w, board, agent } = await frozenFor(50);
     expect(w.host.frozen.has('/dev/loop0')).toBe(true);
     board.writeAnswers = () => Promise.reject(new Error('ENOSPC'));
     await new Promise((res) => setTimeout(res, 80));
@@ -345,12 +351,7 @@ describe('freezes for copies', () => {
   });
 
   it('thaws when its time is up even if writing the answer hangs (a pool gone under a hard mount)', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 50, 'test', 'snapshot');
-    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const { w, board, agent } = await frozenFor(50);
     board.writeAnswers = () => new Promise(() => undefined);
     await new Promise((res) => setTimeout(res, 80));
     await Promise.race([agent.tick(), new Promise((res) => setTimeout(res, 3000))]);
@@ -358,12 +359,7 @@ describe('freezes for copies', () => {
   });
 
   it('thaws when its time is up while its rounds hang on the pool (reads and writes)', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 300, 'test', 'snapshot');
-    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const { w, board, agent } = await frozenFor(300);
     const hang = () => new Promise<never>(() => undefined);
     board.requests = hang;
     board.writeAnswers = hang;
@@ -374,12 +370,7 @@ describe('freezes for copies', () => {
   });
 
   it('says "expired" before it thaws when the plugin stops, so no copy under the freeze is taken for frozen', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
-    expect(await answered(r)).toMatchObject({ state: 'frozen' });
+    const { w, r, board, agent } = await frozenFor(60_000);
     const write = board.writeAnswers.bind(board);
     const seen: string[] = [];
     board.writeAnswers = async (node, answers) => {
