@@ -127,11 +127,7 @@ async function copyHeld<T>(
   const blockWriters = [
     ...new Set(writers.filter((w) => w.lease.accessType === 'block').map((w) => w.volumeId)),
   ];
-  if (blockWriters.length > 1) {
-    throw conflict(
-      `Volumes ${blockWriters.join(', ')} are raw block devices in use on nodes, which cannot be frozen, so their copies would be of different instants. Stop the workloads using all but one of them and retry.`,
-    );
-  }
+  if (blockWriters.length > 1) throw tornGroup(blockWriters);
   const reflink = await d.pool.fs.canReflink();
   let ttlMs = CLONE_FREEZE_MS;
   if (!reflink && writers.length > 0) {
@@ -163,10 +159,13 @@ async function copyHeld<T>(
     const frozenOnes = new Set(
       holds.filter((h) => h.answer.state === 'frozen').map((h) => h.writer.volumeId),
     );
-    // Written right now without a freeze (a raw block device): only an atomic clone will do.
+    // Written right now without a freeze (a raw block device): only an atomic clone will do. The
+    // leases said at most one such (above); the nodes' answers are the backstop (a lease unreadable
+    // as such, say).
     const unfrozenWriters = new Set(
       holds.filter((h) => h.answer.state === 'not-freezable').map((h) => h.writer.volumeId),
     );
+    if (unfrozenWriters.size > 1) throw tornGroup([...unfrozenWriters]);
     let copiesEnded = 0;
     const plan: CopyPlan = {
       takenAt: new Date(),
@@ -257,6 +256,11 @@ async function copyHeld<T>(
     await releaseAll(ctx, d, holds);
   }
 }
+
+const tornGroup = (ids: readonly string[]) =>
+  conflict(
+    `Volumes ${ids.join(', ')} are raw block devices in use on nodes, which cannot be frozen, so their copies would be of different instants. Stop the workloads using all but one of them and retry.`,
+  );
 
 /** Asks every writer's node to freeze, and waits for all answers; any refusal releases the rest. */
 async function freezeAll(

@@ -195,9 +195,11 @@ export async function attachLoop(
     const sector = await xfsSectorSize(h);
     const was = Number(readSys(path.join(SYS_BLOCK, loop.name, 'queue', 'logical_block_size')) ?? '512');
     if (sector === undefined || was <= sector) return loop;
-    await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
-    x.log.info({ device: loop.path, was, sector }, 'attaching again at the sector size of the XFS it holds');
-    return attachChecked(x, image, pinned, id, opts, sector);
+    // Changed in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it
+    // open, and a retry could take it for a leftover.
+    await x.run('losetup', [`--sector-size=${sector}`, loop.path], { timeoutMs: 30_000 });
+    x.log.info({ device: loop.path, was, sector }, 'set the sector size of the XFS the image holds');
+    return { ...((await readLoop(loop.name)) ?? loop), backing: id };
   });
 }
 
@@ -216,12 +218,10 @@ async function attachChecked(
   pinned: string,
   id: FileId | undefined,
   opts: AttachOptions,
-  sectorSize?: number,
 ): Promise<LoopDevice> {
   const args = ['--find', '--show'];
   if (opts.readOnly) args.push('--read-only');
   if (opts.directIo) args.push('--direct-io=on');
-  if (sectorSize !== undefined) args.push(`--sector-size=${sectorSize}`);
   args.push(pinned);
   let lastErr: unknown;
   for (let attempt = 0; attempt < 4; attempt++) {

@@ -47,8 +47,8 @@ export class QuiesceAgent {
   private written = 0;
   private timer: NodeJS.Timeout | undefined;
   private watchdog: NodeJS.Timeout | undefined;
-  /** Requests whose expiry is under way (the loop and the watchdog both look). */
-  private readonly expiring = new Set<string>();
+  /** Expiries under way (the loop and the watchdog both start them); stop() waits for them. */
+  private readonly expiries = new Set<Promise<void>>();
   /** The answers' writes, one after the other: the pool never ends up with an older map. */
   private writes: Promise<void> = Promise.resolve();
   private running: Promise<void> | undefined;
@@ -109,8 +109,8 @@ export class QuiesceAgent {
   async stop(): Promise<void> {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
-    if (this.watchdog) clearInterval(this.watchdog);
-    await this.running;
+    // A round that hangs on the pool is not waited for long; the watchdog keeps expiring meanwhile.
+    await Promise.race([this.running, new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
     await Promise.allSettled([...this.inFlight]); // freezes started beside the loop
     // Said before the thaw, as an expiry is: a controller still copying under one of these must learn
     // that its copy is no longer frozen before anything can write the volume. A pool that hangs gets
@@ -127,9 +127,11 @@ export class QuiesceAgent {
       // Not said: the controller would take a copy made after the thaw for frozen. Its own clock
       // discards copies that end past a freeze's time, so the thaw waits for that time (seconds).
       const until = Math.max(0, ...[...this.frozen.values()].map((f) => f.at + f.request.ttlMs));
-      const wait = Math.min(until - performance.now(), 60_000);
+      const wait = until - performance.now();
       if (wait > 0) await new Promise((r) => setTimeout(r, wait));
     }
+    if (this.watchdog) clearInterval(this.watchdog);
+    await Promise.allSettled([...this.expiries]);
     for (const f of [...this.frozen.values(), ...this.stuck.values()]) await this.thaw(f, 'thawed');
     if (this.answers.size > 0)
       await this.board.writeAnswers(this.d.nodeId, this.answers).catch(() => undefined);
@@ -189,13 +191,16 @@ export class QuiesceAgent {
    * the controller stops copying before this time by its own clock, and a pod must not stay frozen.
    */
   private async expireOnce(f: Frozen): Promise<void> {
-    const id = f.request.requestId;
-    if (this.expiring.has(id)) return;
-    this.expiring.add(id);
+    // Taken out of `frozen` at once, before any wait: nothing else (a round that sees the request
+    // withdrawn, the watchdog again) thaws it meanwhile, so no later freeze of the volume, under a new
+    // request, is ever thawed by this one. Its key is held until its thaw, so none starts before.
+    if (!this.frozen.delete(f.request.requestId)) return;
+    const work = this.expire(f);
+    this.expiries.add(work);
     try {
-      await this.expire(f);
+      await work;
     } finally {
-      this.expiring.delete(id);
+      this.expiries.delete(work);
     }
   }
 

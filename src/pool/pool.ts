@@ -368,7 +368,8 @@ export class Pool {
     try {
       await fs.rename(dir, target);
     } catch (err) {
-      if (errnoCode(err) === 'ENOENT') return;
+      // Gone already is done; a trash that is missing is not (made again at the next start).
+      if (errnoCode(err) === 'ENOENT' && !(await exists(dir))) return;
       throw err;
     }
     await fsyncDir(path.dirname(dir));

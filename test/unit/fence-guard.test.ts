@@ -369,6 +369,34 @@ describe('freezes for copies', () => {
     expect(w.host.frozen.has('/dev/loop0')).toBe(false);
   });
 
+  it("an expiry under way never thaws the volume's next freeze (the retry after a withdrawn request)", async () => {
+    const { w, r, board, agent } = await frozenFor(200);
+    const write = board.writeAnswers.bind(board);
+    const sleep = (ms: number) => new Promise((res) => setTimeout(res, ms));
+    board.writeAnswers = async (node, answers) => {
+      const now = new Map(answers);
+      await sleep(1500); // a slow pool: the expiry waits 1 s for its write, then thaws
+      await write(node, now);
+    };
+    agent.run(); // the watchdog starts the expiry
+    await sleep(450);
+    // The controller gave up on r (its copy ran out) and retries at once.
+    await board.withdraw(NODE, r);
+    const r2 = await board.post(NODE, r.volumeId, 60_000, 'test', 'snapshot again');
+    let a2;
+    for (let i = 0; i < 100 && a2?.state !== 'frozen'; i++) {
+      await sleep(50);
+      a2 = await board.answer(NODE, r2);
+    }
+    const frozenWhileAnswered = w.host.frozen.has('/dev/loop0');
+    board.writeAnswers = write;
+    await agent.stop();
+    expect({ answer: a2?.state, frozenWhileAnswered }).toEqual({
+      answer: 'frozen',
+      frozenWhileAnswered: true,
+    });
+  });
+
   it('says "expired" before it thaws when the plugin stops, so no copy under the freeze is taken for frozen', async () => {
     const { w, r, board, agent } = await frozenFor(60_000);
     const write = board.writeAnswers.bind(board);
