@@ -20,7 +20,7 @@ import type { Host } from '../host/host.js';
 import { exists } from '../pool/fsutil.js';
 import { isTrashEntry, layoutProblem } from '../pool/layout.js';
 import { isHeld, type HeldLock } from '../pool/lock.js';
-import type { Pool } from '../pool/pool.js';
+import { type Pool, removeTreeSafely } from '../pool/pool.js';
 import type { Finding, GcStep } from './findings.js';
 import type { HostCheck } from './host-check.js';
 
@@ -176,8 +176,7 @@ async function removeTrash(d: GcDeps, f: Finding, entry: string): Promise<GcOutc
     const age = (Date.now() - Math.max(st.mtimeMs, st.ctimeMs)) / 1000;
     if (age <= d.trashAgeSeconds)
       return { finding: f, result: 'skipped', message: 'not old any more; left alone' };
-    // By file descriptor, never following a symlink (see Pool's runner).
-    await d.x.run('rm', ['-rf', '--one-file-system', '--', p], { timeoutMs: 30 * 60_000 });
+    await removeTreeSafely(d.x, p);
     return { finding: f, result: 'removed', message: `removed ${p}` };
   } catch (err) {
     if (errnoCode(err) === 'ENOENT')

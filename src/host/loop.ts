@@ -179,8 +179,6 @@ export async function attachLoop(
   id: FileId | undefined,
   opts: AttachOptions,
 ): Promise<LoopDevice> {
-  // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
-  // Reuse is decided by the caller from /sys/block.
   // An image is a regular file the driver made. A symlink or a device planted in its place (anyone
   // who can write to a shared pool can) would hand the host's disk to a pod, or to mkfs: losetup
   // attaches the file checked, through the handle.
@@ -189,11 +187,13 @@ export async function attachLoop(
     const loop = await attachChecked(x, image, pinned, id, opts);
     // With direct I/O, kernels from 6.x give a loop device the backing file's direct-I/O alignment as
     // its sector size: 4096 for an image on an XFS pool once it shares blocks (its first snapshot or
-    // clone), where the XFS in it was made on 512-byte sectors and no longer mounts. Such an image is
-    // attached again at its XFS's sector size; the kernel then uses buffered I/O for it (the stage
-    // says so). Nothing else changes geometry: every other image keeps the kernel's choice, as before.
-    const sector = await xfsSectorSize(h);
+    // clone), where the XFS in it was made on 512-byte sectors and no longer mounts. Such a device gets
+    // its XFS's sector size; the kernel then uses buffered I/O for it (the stage says so). Every other
+    // image keeps the kernel's choice, as before. The image is read only when the device has more
+    // than 512 (the usual case reads sysfs alone).
     const was = Number(readSys(path.join(SYS_BLOCK, loop.name, 'queue', 'logical_block_size')) ?? '512');
+    if (was <= 512) return loop;
+    const sector = await xfsSectorSize(h);
     if (sector === undefined || was <= sector) return loop;
     // Changed in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it
     // open, and a retry could take it for a leftover.
@@ -219,6 +219,8 @@ async function attachChecked(
   id: FileId | undefined,
   opts: AttachOptions,
 ): Promise<LoopDevice> {
+  // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
+  // Reuse is decided by the caller from /sys/block.
   const args = ['--find', '--show'];
   if (opts.readOnly) args.push('--read-only');
   if (opts.directIo) args.push('--direct-io=on');

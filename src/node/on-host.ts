@@ -268,9 +268,21 @@ export async function mustGetVolume(d: NodeDeps, id: string): Promise<VolumeMeta
  */
 export function classifyAt(on: OnHost, p: string, loops: readonly LoopDevice[] = on.loops) {
   const here = on.mounts.filter((m) => m.mountPoint === p);
-  const ours = here.filter((m) => loopOfMount(m, loops) !== undefined);
-  const foreign = here.filter((m) => loopOfMount(m, loops) === undefined);
+  const ours = here.filter(shows(loops));
+  const foreign = here.filter((m) => !shows(loops)(m));
   return { here, ours, foreign };
+}
+
+/** Whether a mount shows one of `loops` (a filesystem on it, or a bind of its device node). */
+export const shows =
+  (loops: readonly LoopDevice[]) =>
+  (m: MountEntry): boolean =>
+    loopOfMount(m, loops) !== undefined;
+
+/** Refuses to mount over a directory holding files: they would be hidden, and are not the driver's. */
+export async function refuseHidingFiles(d: NodeDeps, p: string, field: string): Promise<void> {
+  if (await d.host.holdsEntries(p))
+    throw conflict(`${field} ${p} holds files; a volume is never mounted over them (they would be hidden).`);
 }
 
 export function foreignMountError(on: OnHost, p: string, field: string, foreign: readonly MountEntry[]) {

@@ -27,6 +27,8 @@ import {
   mustGetVolume,
   type NodeDeps,
   othersLoops,
+  refuseHidingFiles,
+  shows,
   stagingLoop,
 } from './on-host.js';
 import { unmountIfOurs } from './stage.js';
@@ -152,8 +154,8 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     } else if ((await d.host.pathKind(target)) === 'absent') {
       await d.host.makeDir(target);
       undo.push(() => d.host.removeCreated(target));
-    } else if (await d.host.holdsEntries(target)) {
-      throw conflict(`${target} holds files; a volume is never mounted over them (they would be hidden).`);
+    } else {
+      await refuseHidingFiles(d, target, 'target_path');
     }
     await pausepoint('publish:prepared');
     undo.push((cx) => unmountIfOurs(d, cx, r.id, target));
@@ -220,7 +222,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);
   let table = on.mounts;
   if (ours.length > 0) {
-    table = await d.host.unmountAll(x, target, on.mounts, (m) => loopOfMount(m, on.loops) !== undefined);
+    table = await d.host.unmountAll(x, target, on.mounts, shows(on.loops));
     if (table.some((m) => m.mountPoint === target))
       throw broken(`Volume ${r.id} is still mounted at ${target} after unmounting it.`);
   }

@@ -113,16 +113,8 @@ export class QuiesceAgent {
     await Promise.race([this.running, new Promise((r) => setTimeout(r, EXPIRE_WRITE_MS).unref())]);
     await Promise.allSettled([...this.inFlight]); // freezes started beside the loop
     // Said before the thaw, as an expiry is: a controller still copying under one of these must learn
-    // that its copy is no longer frozen before anything can write the volume. A pool that hangs gets
-    // 1 s, then the thaw goes ahead (a pod is not kept frozen by it).
-    for (const f of this.frozen.values()) {
-      this.answers.set(f.request.requestId, {
-        volumeId: f.request.volumeId,
-        state: 'expired',
-        message: 'the node plugin stopped; the freeze ended',
-      });
-      this.version++;
-    }
+    // that its copy is no longer frozen before anything can write the volume.
+    for (const f of this.frozen.values()) this.sayExpired(f, 'the node plugin stopped; the freeze ended');
     if (!(await this.flushWithin(EXPIRE_WRITE_MS))) {
       // Not said: the controller would take a copy made after the thaw for frozen. Its own clock
       // discards copies that end past a freeze's time, so the thaw waits for that time (seconds).
@@ -185,11 +177,6 @@ export class QuiesceAgent {
     return performance.now() - f.at > f.request.ttlMs;
   }
 
-  /**
-   * Thaws a freeze whose time is up. It says so first (a controller still copying must learn its copy
-   * is no longer frozen); if that cannot be written (a full or failing pool), it thaws all the same:
-   * the controller stops copying before this time by its own clock, and a pod must not stay frozen.
-   */
   private async expireOnce(f: Frozen): Promise<void> {
     // Taken out of `frozen` at once, before any wait: nothing else (a round that sees the request
     // withdrawn, the watchdog again) thaws it meanwhile, so no later freeze of the volume, under a new
@@ -204,21 +191,25 @@ export class QuiesceAgent {
     }
   }
 
+  /**
+   * Thaws a freeze whose time is up. It says so first (a controller still copying must learn its copy
+   * is no longer frozen), waiting at most EXPIRE_WRITE_MS for a pool that hangs: the controller
+   * discards a copy that ended past this time by its own clock, whatever the answer says, and a pod
+   * must not stay frozen.
+   */
   private async expire(f: Frozen): Promise<void> {
-    this.answers.set(f.request.requestId, {
-      volumeId: f.request.volumeId,
-      state: 'expired',
-      message: 'thawed when its time was up',
-    });
-    this.version++;
-    // Not waiting longer than that for a pool that hangs: the controller discards a copy that ended
-    // past this time by its own clock, whatever the answer says, so the thaw need not wait for it.
+    this.sayExpired(f, 'thawed when its time was up');
     await this.flushWithin(EXPIRE_WRITE_MS);
     await this.thaw(f, 'expired');
     this.log.warn(
       { volumeId: f.request.volumeId, by: f.request.by },
       'a freeze ran out of time and was thawed',
     );
+  }
+
+  private sayExpired(f: Frozen, message: string): void {
+    this.answers.set(f.request.requestId, { volumeId: f.request.volumeId, state: 'expired', message });
+    this.version++;
   }
 
   /** Whether the answers as they are now reached the pool within `ms`. */

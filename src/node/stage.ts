@@ -32,6 +32,8 @@ import {
   type NodeDeps,
   type OnHost,
   othersLoops,
+  refuseHidingFiles,
+  shows,
   stagingLoop,
 } from './on-host.js';
 
@@ -90,12 +92,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;
   checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });
-  // Nothing is mounted at the staging path here (alreadyStaged saw to it): files in its directory
-  // would be hidden under the volume, and are not the driver's.
-  if (r.cap.accessType === 'mount' && (await d.host.holdsEntries(staging)))
-    throw conflict(
-      `staging_target_path ${staging} holds files; a volume is never mounted over them (they would be hidden).`,
-    );
+  // Nothing is mounted at the staging path here (alreadyStaged saw to it).
+  if (r.cap.accessType === 'mount') await refuseHidingFiles(d, staging, 'staging_target_path');
 
   // A loop device of this image that nothing uses is a leftover of an interrupted call: reused when it
   // is attached the right way round, detached otherwise. One in use is another staging's.
@@ -299,8 +297,7 @@ async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<s
 export async function unmountIfOurs(d: NodeDeps, x: Exec, id: string, p: string): Promise<void> {
   const on = await lookAtHost(d, x, id);
   const { ours, foreign } = classifyAt(on, p);
-  if (ours.length > 0 && foreign.length === 0)
-    await d.host.unmountAll(x, p, on.mounts, (m) => loopOfMount(m, on.loops) !== undefined);
+  if (ours.length > 0 && foreign.length === 0) await d.host.unmountAll(x, p, on.mounts, shows(on.loops));
 }
 
 /**

@@ -20,6 +20,7 @@ import {
   lookAtHost,
   type NodeDeps,
   othersLoops,
+  shows,
   stagingLoop,
 } from './on-host.js';
 
@@ -72,7 +73,7 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     if (thawable && !oursAt.every(isDeviceBind) && (await d.host.thaw(x, staging))) {
       x.log.warn({ staging }, 'thawed a frozen filesystem before unmounting it');
     }
-    table = await d.host.unmountAll(x, staging, on.mounts, (m) => loopOfMount(m, ours) !== undefined);
+    table = await d.host.unmountAll(x, staging, on.mounts, shows(ours));
     if (table.some((m) => m.mountPoint === staging)) {
       throw broken(`Volume ${r.id} is still mounted at ${staging} after unmounting it.`);
     }

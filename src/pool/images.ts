@@ -88,22 +88,25 @@ export async function createSparseImage(file: string, size: number): Promise<voi
 /** Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space. */
 export async function preallocate(x: Exec, file: string, offset: number, length: number): Promise<void> {
   if (length <= 0) return;
-  await withImage(file, true, async (h) => {
-    try {
-      await x.run('fallocate', ['--offset', String(offset), '--length', String(length), pinnedPath(h)], {
-        timeoutMs: 10 * 60 * 1000,
-      });
-    } catch (err) {
-      if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
-        throw invalid(
-          "This pool's filesystem cannot reserve blocks (fallocate is not supported there, as on many network filesystems); use allocation: sparse.",
-          err,
-        );
-      }
-      throw err;
+  await withImage(file, true, (h) => reserveBlocks(x, h, offset, length));
+}
+
+/** fallocate on the image `h` holds open, then synced. */
+async function reserveBlocks(x: Exec, h: FileHandle, offset: number, length: number): Promise<void> {
+  try {
+    await x.run('fallocate', ['--offset', String(offset), '--length', String(length), pinnedPath(h)], {
+      timeoutMs: 10 * 60 * 1000,
+    });
+  } catch (err) {
+    if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
+      throw invalid(
+        "This pool's filesystem cannot reserve blocks (fallocate is not supported there, as on many network filesystems); use allocation: sparse.",
+        err,
+      );
     }
-    await h.sync();
-  });
+    throw err;
+  }
+  await h.sync();
 }
 
 /** Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. */
@@ -111,9 +114,8 @@ export async function growImage(x: Exec, file: string, size: number, preallocate
   await withImage(file, true, async (h) => {
     const st = await h.stat();
     if (st.size >= size) return;
-    if (preallocated) {
-      await preallocate(x, file, st.size, size - st.size); // fallocate extends the file too
-    }
+    // fallocate extends the file too; a sparse image is only made longer.
+    if (preallocated) await reserveBlocks(x, h, st.size, size - st.size);
     await h.truncate(size);
     await h.sync();
   });

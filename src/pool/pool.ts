@@ -9,7 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { busy, DomainError, errnoCode, unavailable, unsafe } from '../errors.js';
-import { bindExec, type Runner } from '../exec/runner.js';
+import { bindExec, type Exec, type Runner } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import { telemetry } from '../telemetry.js';
 import {
@@ -58,12 +58,16 @@ export interface OpenOptions {
    * nothing is created, no id is given, and the trash is not swept (it is reported instead).
    */
   inspect?: boolean;
-  /**
-   * Runs `rm -rf --one-file-system` for what goes out through the trash: GNU rm walks a tree by file
-   * descriptor and never follows a symlink, even one swapped in while it walks (fs.rm walks by path).
-   * Anyone who can write a shared pool can write into a deleted volume's directory. Without it, fs.rm.
-   */
+  /** Runs removeTreeSafely for what goes out through the trash (fs.rm walks by path); else fs.rm. */
   runner?: Runner;
+}
+
+/**
+ * Removes the tree at `p` as GNU rm does: by file descriptor, never following a symlink (even one
+ * swapped in while it walks), and never into another filesystem mounted inside it.
+ */
+export async function removeTreeSafely(x: Exec, p: string): Promise<void> {
+  await x.run('rm', ['-rf', '--one-file-system', '--', p], { timeoutMs: 30 * 60_000 });
 }
 
 async function formatProblem(layout: PoolLayout): Promise<string | undefined> {
@@ -131,11 +135,7 @@ export class Pool {
     runner?: Runner,
   ) {
     const x = runner && bindExec(runner, { log });
-    this.removeTree = x
-      ? async (p) => {
-          await x.run('rm', ['-rf', '--one-file-system', '--', p], { timeoutMs: 30 * 60_000 });
-        }
-      : (p) => fs.rm(p, { recursive: true, force: true });
+    this.removeTree = x ? (p) => removeTreeSafely(x, p) : (p) => fs.rm(p, { recursive: true, force: true });
     this.layout = new PoolLayout(root);
     this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
     this.fs = new PoolFilesystem(this.layout);
