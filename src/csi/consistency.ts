@@ -65,6 +65,8 @@ interface Hold {
 export interface HeldSource {
   meta: VolumeMeta;
   initialized: boolean;
+  /** The sector size its data was written on, when recorded. */
+  sectorSize?: number;
 }
 
 /** The copies made inside `withConsistentSources`: each runs as the plan allows. */
@@ -107,7 +109,8 @@ async function copyHeld<T>(
   for (const volumeId of ids) {
     const meta = await d.volumes.get(volumeId);
     if (!meta) throw missing(`Volume ${volumeId} does not exist.`);
-    sources.set(volumeId, { meta, initialized: await d.volumes.isInitialized(volumeId) });
+    const init = await d.volumes.initialization(volumeId);
+    sources.set(volumeId, { meta, initialized: init !== undefined, sectorSize: init?.sectorSize });
   }
   const writers: Writer[] = [];
   for (const volumeId of ids) {

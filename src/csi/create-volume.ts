@@ -252,7 +252,11 @@ export function createVolumeMethod(
       };
       const preallocated = v.allocation === 'preallocate';
       const fill = async (image: string): Promise<FillResult> => {
-        const copied = { shared: false }; // its blocks are shared with its source (a reflink)
+        // Its blocks are shared with its source (a reflink); the sector size the source's data was written on.
+        const copied: { shared: boolean; sectorSize?: number } = {
+          shared: false,
+          sectorSize: sourceSnapshot?.sectorSize,
+        };
         if (v.source?.kind === 'snapshot' && sourceSnapshot) {
           // Held while it is read: a DeleteSnapshot meanwhile waits (or is ABORTED), never tears the copy.
           await snapshots.holding(sourceSnapshot.id, 'restore', async (_snap, lock) => {
@@ -281,6 +285,7 @@ export function createVolumeMethod(
               );
             }
             copied.shared = (await plan.copy(id, image)).method === 'reflink';
+            copied.sectorSize = held.sectorSize;
           });
         } else {
           await createSparseImage(image, size);
@@ -292,7 +297,11 @@ export function createVolumeMethod(
         const sharedBytes = copied.shared && !preallocated ? await allocatedBytes(image) : undefined;
         await growImage(ctx, image, size, false);
         if (preallocated) await preallocate(ctx, image, 0, size);
-        return { initialized: sourceInitialized, ...(sharedBytes ? { sharedBytes } : {}) };
+        return {
+          initialized: sourceInitialized,
+          sectorSize: copied.sectorSize,
+          ...(sharedBytes ? { sharedBytes } : {}),
+        };
       };
       const { volume, created } = await volumes.create(meta, fill);
       if (!created) {

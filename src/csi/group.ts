@@ -146,6 +146,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
                       sizeBytes: held.meta.capacityBytes,
                       fsType: held.meta.fsType,
                       initialized: held.initialized,
+                      sectorSize: held.sectorSize,
                     };
                   },
                   { ready: false },

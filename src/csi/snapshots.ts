@@ -79,6 +79,7 @@ export function snapshotMethods(
               sizeBytes: (await fs.stat(image)).size,
               fsType: held.meta.fsType,
               initialized: held.initialized,
+              sectorSize: held.sectorSize,
             };
           }),
         );

@@ -27,6 +27,7 @@ import { kernelVersion, mkfsCompat } from './mkfs-compat.js';
 import {
   type AttachOptions,
   attachLoop,
+  loopSectorSize,
   backingName,
   detachLoop,
   listLoops,
@@ -80,6 +81,8 @@ export interface Host {
   /** False when the device stays attached until its last user closes it. */
   detach(x: Exec, loop: LoopDevice): Promise<boolean>;
   refreshSize(x: Exec, loop: LoopDevice): Promise<LoopDevice>;
+  /** The device's logical sector size. */
+  sectorSize(loop: LoopDevice): Promise<number>;
   /** True when a filesystem holds the device, mounted here or not. */
   claimed(device: string): Promise<boolean>;
 
@@ -133,6 +136,7 @@ export const kernelHost: Host = {
   attach: attachLoop,
   detach: detachLoop,
   refreshSize: refreshLoopSize,
+  sectorSize: loopSectorSize,
   claimed: isClaimed,
   mounts: readMounts,
   mount: mountFilesystem,

@@ -170,6 +170,19 @@ export async function listLoops(
 export interface AttachOptions {
   readOnly: boolean;
   directIo: boolean;
+  /**
+   * The device gets exactly this logical sector size: a raw block volume's, recorded when its data was
+   * first written (the geometry its pod sees must not change). Without it, the kernel's choice stays
+   * unless the image holds an XFS made on smaller sectors.
+   */
+  sectorSize?: number;
+}
+
+/** A loop device's logical sector size, from sysfs. */
+export function loopSectorSize(loop: LoopDevice): Promise<number> {
+  return Promise.resolve(
+    Number(readSys(path.join(SYS_BLOCK, loop.name, 'queue', 'logical_block_size')) ?? '512'),
+  );
 }
 
 /** Attaches `image` (whose identity is `id`) to a free (or newly created) loop device. */
@@ -187,18 +200,24 @@ export async function attachLoop(
     const loop = await attachChecked(x, image, pinned, id, opts);
     // With direct I/O, kernels from 6.x give a loop device the backing file's direct-I/O alignment as
     // its sector size: 4096 for an image on an XFS pool once it shares blocks (its first snapshot or
-    // clone), where the XFS in it was made on 512-byte sectors and no longer mounts. Such a device gets
-    // its XFS's sector size; the kernel then uses buffered I/O for it (the stage says so). Every other
-    // image keeps the kernel's choice, as before. The image is read only when the device has more
-    // than 512 (the usual case reads sysfs alone).
-    const was = Number(readSys(path.join(SYS_BLOCK, loop.name, 'queue', 'logical_block_size')) ?? '512');
-    if (was <= 512) return loop;
-    const sector = await xfsSectorSize(h);
-    if (sector === undefined || was <= sector) return loop;
+    // clone), where data written on 512-byte sectors is read at other offsets (a partition table), or
+    // refused (an O_DIRECT read of 512 bytes), and an XFS made on them no longer mounts. Older kernels
+    // give 512 whatever the pool's disk. A raw block volume gets the size its data was written on; a
+    // device holding an XFS made on smaller sectors gets that XFS's. The kernel then uses buffered I/O
+    // for it when the pool's alignment is larger (the stage says so). Every other device keeps the
+    // kernel's choice, as before: the image is read only when it has more than 512.
+    const was = await loopSectorSize(loop);
+    let sector = opts.sectorSize;
+    if (sector === undefined) {
+      if (was <= 512) return loop;
+      sector = await xfsSectorSize(h);
+      if (sector === undefined || was <= sector) return loop;
+    }
+    if (sector === was) return loop;
     // Changed in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it
     // open, and a retry could take it for a leftover.
     await x.run('losetup', [`--sector-size=${sector}`, loop.path], { timeoutMs: 30_000 });
-    x.log.info({ device: loop.path, was, sector }, 'set the sector size of the XFS the image holds');
+    x.log.info({ device: loop.path, was, sector }, "set the sector size the volume's data was written on");
     return { ...((await readLoop(loop.name)) ?? loop), backing: id };
   });
 }

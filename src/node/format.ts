@@ -92,8 +92,10 @@ export async function prepareFilesystem(
     );
     if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
     if (decision.action === 'keep') {
-      if (!initialized)
-        await d.volumes.markInitialized(vol.id, `node ${d.nodeId} (found ${decision.fsType})`);
+      if (!initialized) {
+        const by = `node ${d.nodeId} (found ${decision.fsType})`;
+        await d.volumes.markInitialized(vol.id, by, await d.host.sectorSize(loop));
+      }
       return { fsType: decision.fsType, loop, formatted: false };
     }
     return {
@@ -130,7 +132,8 @@ async function formatBlank(
     throw err;
   }
   failpoint('stage:formatted');
-  if (!(await d.volumes.markInitialized(id, `node ${d.nodeId} (mkfs.${fsType})`))) {
+  const sectorSize = await d.host.sectorSize(target);
+  if (!(await d.volumes.markInitialized(id, `node ${d.nodeId} (mkfs.${fsType})`, sectorSize))) {
     x.log.error(
       { volumeId: id },
       'the volume was marked initialized by someone who did not hold its format lock',

@@ -167,6 +167,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // before its step runs: a command killed after the kernel acted (a mount that took effect) is undone
   // too. The lease goes last, and only when nothing of the volume is left attached here.
   const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
+  // A raw block volume is attached at the sector size its data was written on (none: never written).
+  const recorded = r.cap.accessType === 'block' ? await d.volumes.initialization(r.id) : undefined;
   const attach = async (ro: boolean): Promise<LoopDevice> => {
     // Every attached device by name and the backing path sysfs shows (sysfs alone, no losetup): a
     // failed attach detaches only the volume's devices that are not among them. The path is part of the
@@ -174,13 +176,14 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     // this attach.
     const before = new Set((await d.host.loops(x, () => false)).map(attachmentKey));
     try {
-      const loop = await d.host.attach(x, on.image, on.imageId, { readOnly: ro, directIo: d.loopDirectIo });
+      const opts = { readOnly: ro, directIo: d.loopDirectIo, sectorSize: recorded?.sectorSize };
+      const loop = await d.host.attach(x, on.image, on.imageId, opts);
       undo.push((cx) => d.host.detach(cx, loop));
       x.log.info({ device: loop.path, readOnly: ro, directIo: loop.directIo }, 'attached loop device');
       if (d.loopDirectIo && !loop.directIo)
         x.log.warn(
           { device: loop.path },
-          "direct I/O fell back to buffered: the image's alignment on the pool does not allow it at its filesystem's sector size (on XFS pools, once it shares blocks with a snapshot or clone)",
+          "direct I/O fell back to buffered: the image's alignment on the pool does not allow it at the sector size its data was written on (on XFS pools, once it shares blocks with a snapshot or clone)",
         );
       return loop;
     } catch (err) {
@@ -199,6 +202,12 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       await d.host.detach(x, l);
     }
     let loop = usable[0];
+    // A leftover raw block device not at the volume's sector size (a call killed before it was set).
+    const want = recorded?.sectorSize;
+    if (loop && want && !inUse(loop) && (await d.host.sectorSize(loop)) !== want) {
+      await d.host.detach(x, loop);
+      loop = undefined;
+    }
     const reused = loop !== undefined;
     if (!loop) {
       loop = await attach(readOnly);
@@ -214,8 +223,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
     await d.volumes.takeLease(r.id, { ...lease, device: loop.name });
     if (r.cap.accessType === 'block') {
-      if (!(await d.volumes.isInitialized(r.id)))
-        await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`);
+      if (!recorded)
+        await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`, await d.host.sectorSize(loop));
       checkpoint(x);
       return;
     }

@@ -5,7 +5,8 @@
  *   pool.json                         {"format": 1, ...}: the layout version
  *   volumes/<vol-id>/meta.json        the volume: name, size, filesystem, parameters, state
  *   volumes/<vol-id>/disk.img         its disk image (sparse unless allocation=preallocate)
- *   volumes/<vol-id>/initialized      present once a node formatted it or used it as a raw device
+ *   volumes/<vol-id>/initialized      present once a node formatted it or used it as a raw device;
+ *                                     records the sector size of the device its data was written on
  *   volumes/<vol-id>/fences.json      every node's attachment (ControllerPublishVolume, the attach
  *                                     fence) and lease (NodeStageVolume, the node-side fence)
  *   volumes/<vol-id>/attachments/<node>.json, leases/<node>.json   per-node copies of those, for

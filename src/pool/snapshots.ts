@@ -25,6 +25,7 @@ export interface CopiedSource {
   sizeBytes: number;
   fsType: SnapshotMeta['fsType'];
   initialized: boolean;
+  sectorSize?: number;
 }
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
@@ -106,7 +107,7 @@ export class SnapshotStore {
         await fsyncDir(this.layout.snapshotsDir);
         await writeFileAtomic(this.layout.snapshotMeta(id), json({ ...meta, state: 'creating' }));
         const partial = this.layout.snapshotImageTemp(id);
-        const { takenAt, sizeBytes, fsType, initialized } = await copy(partial, lock);
+        const { takenAt, sizeBytes, fsType, initialized, sectorSize } = await copy(partial, lock);
         failpoint('create-snapshot:image-written');
         lock.assertHeld();
         await fs.rename(partial, this.layout.snapshotImage(id));
@@ -117,6 +118,7 @@ export class SnapshotStore {
           sizeBytes,
           fsType,
           initialized,
+          ...(sectorSize ? { sectorSize } : {}),
           createdAt: takenAt.toISOString(),
         };
         await writeFileAtomic(this.layout.snapshotMeta(id), json(ready));

@@ -15,6 +15,10 @@ export type Allocation = (typeof ALLOCATIONS)[number];
 export const isAllocation = (v: unknown): v is Allocation =>
   typeof v === 'string' && (ALLOCATIONS as readonly string[]).includes(v);
 
+/** A loop device's logical sector size: a power of two the kernel accepts (512 to 64 KiB). */
+export const isSectorSize = (v: unknown): v is number =>
+  typeof v === 'number' && Number.isInteger(v) && v >= 512 && v <= 65536 && (v & (v - 1)) === 0;
+
 export type AccessType = 'mount' | 'block';
 
 /** The access modes loopvol serves. Multi-node writers are refused: ext4/xfs/btrfs on a loop device cannot be shared. */
@@ -114,6 +118,8 @@ export interface SnapshotMeta {
   fsType: VolumeFs;
   /** Whether the source had been formatted or used raw (so a restore never gets formatted over). */
   initialized: boolean;
+  /** The sector size its source's data was written on (absent: not initialized, or an older record). */
+  sectorSize?: number;
   parameters: Record<string, string>;
   groupSnapshotId: string;
   createdAt: string;
@@ -244,6 +250,7 @@ export function parseSnapshotMeta(v: unknown): SnapshotMeta | undefined {
     !num(v.sizeBytes) ||
     !isVolumeFs(v.fsType) ||
     typeof v.initialized !== 'boolean' ||
+    (v.sectorSize !== undefined && !isSectorSize(v.sectorSize)) ||
     !isStringRecord(v.parameters) ||
     !str(v.groupSnapshotId) ||
     !str(v.createdAt)
@@ -259,6 +266,7 @@ export function parseSnapshotMeta(v: unknown): SnapshotMeta | undefined {
     sizeBytes: v.sizeBytes,
     fsType: v.fsType,
     initialized: v.initialized,
+    ...(isSectorSize(v.sectorSize) ? { sectorSize: v.sectorSize } : {}),
     parameters: v.parameters,
     groupSnapshotId: v.groupSnapshotId,
     createdAt: v.createdAt,

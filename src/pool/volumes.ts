@@ -20,7 +20,9 @@ import {
   createExclusive,
   exists,
   fsyncDir,
+  isRecord,
   listDir,
+  readJson,
   readRecord,
   type RecordRead,
   writeFileAtomic,
@@ -31,7 +33,7 @@ import { allocatedBytes } from './images.js';
 import type { NodeRegistry } from './nodes.js';
 import type { HeldLock } from './lock.js';
 import { damagedRecord, type Pool } from './pool.js';
-import { type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
+import { isSectorSize, type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
 
 const LIST_BATCH = 256;
 
@@ -42,6 +44,17 @@ export interface FillResult {
   initialized: boolean;
   /** It was made by reflink: how many of its bytes it shares with its source (capacity.ts). */
   sharedBytes?: number;
+  /** The sector size its source's data was written on, when recorded. */
+  sectorSize?: number;
+}
+
+/** What a volume's `initialized` marker records. */
+export interface Initialization {
+  /**
+   * The logical sector size of the device its data was first written on; absent in markers of older
+   * releases (and unreadable ones). A raw block volume is always attached with it (loop.ts).
+   */
+  sectorSize?: number;
 }
 
 export class VolumeStore extends VolumeFences {
@@ -126,13 +139,13 @@ export class VolumeStore extends VolumeFences {
         await this.writeMeta({ ...meta, state: 'creating' }, false);
         failpoint('create-volume:meta-creating');
         const partial = this.layout.volumeImageTemp(id);
-        const { initialized, sharedBytes } = await fill(partial, lock);
+        const { initialized, sharedBytes, sectorSize } = await fill(partial, lock);
         failpoint('create-volume:image-written');
         // Its record of shared blocks (on a pool that reflinks) exists before its image appears.
         const recorded = await this.capacity.markShared(id, sharedBytes ?? 0);
         await fs.rename(partial, this.layout.volumeImage(id));
         failpoint('create-volume:image-renamed');
-        if (initialized) await this.markInitialized(id, 'controller (content source)');
+        if (initialized) await this.markInitialized(id, 'controller (content source)', sectorSize);
         lock.assertHeld();
         const ready: VolumeMeta = { ...meta, state: 'ready', updatedAt: new Date().toISOString() };
         await this.writeMeta(ready); // its directory sync also makes the image's rename durable
@@ -232,16 +245,39 @@ export class VolumeStore extends VolumeFences {
   }
 
   /**
-   * Records that the volume holds a filesystem or data, so it is never formatted again. False when it
-   * was recorded already.
+   * What the volume's marker records; undefined when it was never initialized (never for a pool that
+   * is not there). A marker that cannot be read still says "initialized": it records no sector size.
    */
+  async initialization(id: string): Promise<Initialization | undefined> {
+    let v: unknown;
+    try {
+      v = await readJson(this.layout.volumeInitialized(id));
+    } catch (err) {
+      if (!(err instanceof SyntaxError)) throw err;
+      return {};
+    }
+    if (v === undefined) {
+      await this.pool.assertPresent();
+      return undefined;
+    }
+    return isRecord(v) && isSectorSize(v.sectorSize) ? { sectorSize: v.sectorSize } : {};
+  }
+
   /** At least `bytes` of volume `id` may now be shared with a reflink of it; the caller holds its lock. */
   markShared(id: string, bytes: number): Promise<boolean> {
     return this.capacity.markShared(id, bytes);
   }
 
-  async markInitialized(id: string, by: string): Promise<boolean> {
-    return createExclusive(this.layout.volumeInitialized(id), json({ by, at: new Date().toISOString() }));
+  /**
+   * Records that the volume holds a filesystem or data, so it is never formatted again, and the sector
+   * size that data was written on. False when it was recorded already.
+   */
+  async markInitialized(id: string, by: string, sectorSize?: number): Promise<boolean> {
+    const at = new Date().toISOString();
+    return createExclusive(
+      this.layout.volumeInitialized(id),
+      json({ by, at, ...(sectorSize ? { sectorSize } : {}) }),
+    );
   }
 
   /**

@@ -47,6 +47,7 @@ interface FakeLoop extends LoopDevice {
   identity: FileId | undefined;
   /** Detached while in use: the kernel lets go of it when its last user does. */
   autoclear: boolean;
+  sectorSize: number;
 }
 
 /** Flags a mount carries per mount point (mountinfo field 6); the rest belong to the superblock. */
@@ -73,6 +74,8 @@ export class FakeHost implements Host {
   identityReadable = true;
   /** True: binds come out without their flags (older util-linux), so publish must remount them. */
   bindDropsFlags = false;
+  /** The sector size a device comes up with unless asked for one (the kernel's choice). */
+  kernelSectorSize = 512;
 
   private readonly nodes = new Map<string, FakeNode>();
   private readonly faults: { match: (op: string) => boolean; err: Error; once: boolean }[] = [];
@@ -226,6 +229,7 @@ export class FakeHost implements Host {
       image,
       identity,
       autoclear: false,
+      sectorSize: opts.sectorSize ?? this.kernelSectorSize,
     };
     this.attached.set(loop.name, loop);
     return this.view(loop);
@@ -247,6 +251,10 @@ export class FakeHost implements Host {
     const l = this.mustLoop(loop.path);
     l.sizeBytes = await this.fileSizeOf(l.image);
     return { ...this.view(l), backing: loop.backing };
+  }
+
+  sectorSize(loop: LoopDevice): Promise<number> {
+    return Promise.resolve(this.attached.get(loop.name)?.sectorSize ?? 512);
   }
 
   claimed(device: string): Promise<boolean> {
@@ -445,7 +453,7 @@ export class FakeHost implements Host {
   }
 
   private view(l: FakeLoop): LoopDevice {
-    const { image: _i, identity: _d, autoclear: _a, ...loop } = l;
+    const { image: _i, identity: _d, autoclear: _a, sectorSize: _s, ...loop } = l;
     return loop;
   }
 

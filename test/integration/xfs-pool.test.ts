@@ -5,6 +5,8 @@
  * mounted: the volume could never be staged again, and its restores and clones never mounted.
  */
 import { execFileSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
@@ -15,6 +17,22 @@ import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const sh = (cmd: string, args: string[]): string => execFileSync(cmd, args, { encoding: 'utf8' });
+/** A 512-byte O_DIRECT read at byte 512, as a database made on 512-byte sectors does: EINVAL on 4096. */
+const directRead512 = (device: string): string => {
+  try {
+    execFileSync('dd', [`if=${device}`, 'of=/dev/null', 'bs=512', 'skip=1', 'count=1', 'iflag=direct'], {
+      stdio: 'pipe',
+    });
+    return 'OK';
+  } catch (err) {
+    return (
+      String((err as { stderr?: Buffer }).stderr ?? err)
+        .trim()
+        .split('\n')
+        .at(-1) ?? 'failed'
+    );
+  }
+};
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
@@ -87,6 +105,68 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
       src: { stage: 'OK', sum, sectors: '512' },
       restored: { stage: 'OK', sum, sectors: '512' },
       cloned: { stage: 'OK', sum, sectors: '512' },
+    });
+  });
+
+  it('keeps a raw block volume at the sector size its data was written on, after snapshots and clones', async () => {
+    // What a pod wrote on 512-byte sectors (a partition table, LVM, O_DIRECT at 512) is read at other
+    // offsets, or refused, on a device with 4096-byte sectors: the geometry must not change under it.
+    const cap = blockCap();
+    const src = await createVolume(d, 'raw-src', cap, 64 * MiB);
+    const st = (n: string) => path.join(base, `raw-st-${n}`);
+    const tg = (n: string) => path.join(base, 'raw-pods', n, 'dev');
+    await stage(d, src.id, st('src'), cap);
+    await publish(d, src.id, st('src'), tg('src'), cap);
+    const first = sh('blockdev', ['--getss', tg('src')]).trim();
+    const sum = await writeRandom(tg('src'), 8, 11);
+    const down = async (id: string, n: string) => {
+      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg(n) });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st(n) });
+    };
+    await down(src.id, 'src');
+    const snap = await d.clients.controller.CreateSnapshot({ name: 'raw-snap', source_volume_id: src.id });
+    const from = (name: string, source: object) =>
+      d.clients.controller.CreateVolume({
+        name,
+        capacity_range: { required_bytes: String(64 * MiB) },
+        volume_capabilities: [cap],
+        volume_content_source: source,
+      });
+    const restored = await from('raw-restored', { snapshot: { snapshot_id: snap.snapshot?.snapshot_id } });
+    const cloned = await from('raw-cloned', { volume: { volume_id: src.id } });
+    const result: Record<string, { sectors: string; sum: string; directRead512: string }> = {};
+    for (const [n, id] of [
+      ['src', src.id],
+      ['restored', restored.volume?.volume_id ?? ''],
+      ['cloned', cloned.volume?.volume_id ?? ''],
+    ] as const) {
+      if (n !== 'src')
+        await d.clients.controller.ControllerPublishVolume({
+          volume_id: id,
+          node_id: 'node-1',
+          volume_capability: cap,
+        });
+      await stage(d, id, st(n), cap);
+      await publish(d, id, st(n), tg(n), cap);
+      const head = await fs.open(tg(n), 'r');
+      const buf = Buffer.alloc(8 * MiB);
+      try {
+        await head.read(buf, 0, buf.length, 0);
+      } finally {
+        await head.close();
+      }
+      result[n] = {
+        sectors: sh('blockdev', ['--getss', tg(n)]).trim(),
+        sum: createHash('sha256').update(buf).digest('hex'),
+        directRead512: directRead512(tg(n)),
+      };
+      await down(id, n);
+    }
+    expect(first).toBe('512');
+    expect(result).toEqual({
+      src: { sectors: first, sum, directRead512: 'OK' },
+      restored: { sectors: first, sum, directRead512: 'OK' },
+      cloned: { sectors: first, sum, directRead512: 'OK' },
     });
   });
 

@@ -17,6 +17,7 @@ import type { Capability, FsType } from '../../src/pool/types.js';
 import { commandError, FakeHost, type ImageContent } from '../helpers/fake-host.js';
 import {
   anotherHost,
+  attachTo,
   cap,
   codeOf,
   during,
@@ -675,6 +676,59 @@ describe('NodeUnpublishVolume', () => {
       ops: [`umount ${TARGET}`, `remove ${TARGET}`],
     });
     expect([...w.host.attached.keys()]).toEqual(['loop0']);
+  });
+
+  it('attaches a raw block volume at the sector size its data was first written on, on every node', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const block: Partial<Capability> = { accessType: 'block', fsType: '' };
+    const sectors = async (h: World) => h.host.sectorSize(must(h.host.attached.get('loop0'), 'loop0'));
+    await stage(w, id, block);
+    const first = await sectors(w);
+    const marker = JSON.parse(await fs.readFile(path.join(w.root, 'volumes', id, 'initialized'), 'utf8')) as {
+      sectorSize?: number;
+    };
+    await unstage(w, id);
+    // Its image now shares blocks on an XFS pool: the kernel would give 4096.
+    w.host.kernelSectorSize = 4096;
+    await stage(w, id, block);
+    const again = await sectors(w);
+    await unstage(w, id);
+    // Another node whose kernel makes 4096 of the same pool's images from the start.
+    const c = anotherHost(w, 'node-c');
+    c.host.kernelSectorSize = 4096;
+    await w.volumes.unpublish(id, NODE);
+    await attachTo(w, id, 'node-c');
+    await stage(c, id, block);
+    expect({ first, recorded: marker.sectorSize, again, other: await sectors(c) }).toEqual({
+      first: 512,
+      recorded: 512,
+      again: 512,
+      other: 512,
+    });
+  });
+
+  it('attaches again a leftover raw block device that is not at the recorded sector size', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    const block: Partial<Capability> = { accessType: 'block', fsType: '' };
+    await stage(w, id, block);
+    await unstage(w, id);
+    // A stage killed between the attach and setting the device's sector size left this one.
+    w.host.kernelSectorSize = 4096;
+    await w.host.attach(w.x, image, undefined, { readOnly: false, directIo: false });
+    await stage(w, id, block);
+    expect([...w.host.attached.values()].map((l) => l.sectorSize)).toEqual([512]);
+  });
+
+  it("leaves a filesystem volume's device at the kernel's sector size (its filesystem's blocks are larger)", async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await unstage(w, id);
+    w.host.kernelSectorSize = 4096;
+    await stage(w, id);
+    expect(await w.host.sectorSize(must(w.host.attached.get('loop0'), 'loop0'))).toBe(4096);
   });
 
   it.each<[string, (root: string, id: string) => string]>([
