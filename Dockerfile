@@ -23,7 +23,7 @@ COPY src ./src
 RUN npm run build && npm prune --omit=dev --ignore-scripts
 
 FROM ${BASE_IMAGE}
-# util-linux: losetup, blkid, blockdev, fsfreeze, fallocate; mount: mount, umount;
+# util-linux: losetup, blkid, blockdev, fsfreeze, fallocate, setpriv; mount: mount, umount;
 # e2fsprogs: mkfs.ext4, e2fsck, resize2fs; xfsprogs: mkfs.xfs, xfs_growfs; btrfs-progs: mkfs.btrfs, btrfs.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs btrfs-progs \

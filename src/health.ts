@@ -4,8 +4,11 @@ import { findTool, isExecutable } from './exec/which.js';
 import { orAfter } from './limit.js';
 import type { Pool } from './pool/pool.js';
 
-/** Tools the controller runs: preallocation, sparse copies, and a look at what a source image holds. */
-export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'blkid', 'rm'] as const;
+/**
+ * Tools the controller runs: preallocation, sparse copies (under setpriv, so that they die with the
+ * process), and a look at what a source image holds.
+ */
+export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'setpriv', 'blkid', 'rm'] as const;
 /** Tools the node plugin runs. */
 export const NODE_TOOLS = [
   'losetup',

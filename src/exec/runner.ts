@@ -21,6 +21,12 @@ export interface RunOptions {
   quiet?: boolean;
   /** Another reason to stop the command, which holds even for a detached one (a pool lock that was lost). */
   signal?: AbortSignal;
+  /**
+   * Killed when this process dies, by kill -9 too (through `setpriv --pdeathsig`): a detached copy into
+   * a file only this process would ever rename. Left running, it fills the pool for nothing while the
+   * retry copies again.
+   */
+  diesWithProcess?: boolean;
 }
 
 export interface RunResult {
@@ -175,14 +181,17 @@ export class ExecRunner implements Runner {
       (x): x is AbortSignal => x !== undefined,
     );
     const started = performance.now();
-    const result = await execa(command, args, {
+    const [file, argv] = options.diesWithProcess
+      ? ['setpriv', ['--pdeathsig', 'KILL', '--', command, ...args]]
+      : [command, args];
+    const result = await execa(file, argv, {
       reject: false,
       timeout,
       cancelSignal: signals.length > 1 ? AbortSignal.any(signals) : signals[0],
       forceKillAfterDelay: 2_000,
-      // A detached command (mkfs, fsck, resize, a copy) outlives this process if it must: killing it
-      // midway is what detaching it avoids.
-      cleanup: !options.detached,
+      // A detached command (mkfs, fsck, resize) outlives this process if it must: killing it midway is
+      // what detaching it avoids.
+      cleanup: !options.detached || options.diesWithProcess === true,
       env: commandEnv(),
       extendEnv: true,
       stripFinalNewline: true,

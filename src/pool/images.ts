@@ -136,6 +136,7 @@ export async function ownBlocks(x: Exec, file: string, signal?: AbortSignal): Pr
         const src = pinnedPath(h);
         await x.run('cp', ['--sparse=never', '--reflink=never', '--no-preserve=all', '--', src, dst], {
           detached: true,
+          diesWithProcess: true,
           timeoutMs: COPY_TIMEOUT_MS,
           ...(signal ? { signal } : {}),
         });
@@ -233,6 +234,7 @@ async function copyImageOnce(
     await intoNewFile(dst, async (out) => {
       await x.run('cp', ['--sparse=always', '--reflink=never', '--no-preserve=all', '--', pinned, out], {
         detached: true,
+        diesWithProcess: true,
         timeoutMs: opts.timeoutMs ?? COPY_TIMEOUT_MS,
         ...(opts.signal ? { signal: opts.signal } : {}),
       });

@@ -19,6 +19,30 @@ afterAll(async () => {
 const dir = (tag: string): Promise<string> => env.dir(tag);
 const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 
+/** A process of `name` whose parent is `parent`, found within `ms`; its pid. */
+async function childNamed(parent: number, name: string, ms: number): Promise<number> {
+  const until = Date.now() + ms;
+  while (Date.now() < until) {
+    for (const pid of await fs.readdir('/proc')) {
+      if (!/^\d+$/.test(pid)) continue;
+      const status = await fs.readFile(`/proc/${pid}/status`, 'utf8').catch(() => '');
+      if (
+        new RegExp(`^Name:\\s+${name}$`, 'm').test(status) &&
+        new RegExp(`^PPid:\\s+${parent}$`, 'm').test(status)
+      )
+        return Number(pid);
+    }
+    await new Promise((r) => setTimeout(r, 1));
+  }
+  throw new Error(`no ${name} started by ${parent} within ${ms} ms`);
+}
+
+/** Whether process `pid` exists and is not a zombie. */
+async function isRunning(pid: number): Promise<boolean> {
+  const stat = await fs.readFile(`/proc/${pid}/stat`, 'utf8').catch(() => '');
+  return stat !== '' && stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
+}
+
 describe('CreateVolume and DeleteVolume', () => {
   let d: DriverProcess;
   beforeAll(async () => {
@@ -316,6 +340,53 @@ describe('crash safety', () => {
     expect(got.status?.published_node_ids).toEqual(['node-1']);
     await second.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
     expect(await fs.readdir(path.join(base, 'pool', 'nodes', 'node-1.attached'))).toEqual([]);
+  });
+
+  it('a byte copy in flight dies with a controller killed by SIGKILL, not left filling the pool', async () => {
+    const base = await dir('crashcopy');
+    const scratch = await scratchFilesystem(base, 'ext4', 2048); // no reflink: the clone is a byte copy
+    env.declareOwn(scratch.mountPoint, scratch.device);
+    const first = await driver({ dir: base, poolDir: path.join(scratch.mountPoint, 'pool') });
+    const src = await first.clients.controller.CreateVolume({
+      name: 'pvc-copied',
+      capacity_range: { required_bytes: String(320 * MiB) },
+      volume_capabilities: [blockCap()],
+    });
+    const srcId = src.volume?.volume_id ?? '';
+    const h = await fs.open(path.join(first.poolDir, 'volumes', srcId, 'disk.img'), 'r+');
+    try {
+      for (let i = 0; i < 256; i++) await h.write(Buffer.alloc(MiB, i + 1), 0, MiB, i * MiB);
+      await h.sync();
+    } finally {
+      await h.close();
+    }
+    const clone = codeOf(
+      first.clients.controller.CreateVolume({
+        name: 'pvc-clone-of-copied',
+        capacity_range: { required_bytes: String(320 * MiB) },
+        volume_capabilities: [blockCap()],
+        volume_content_source: { volume: { volume_id: srcId } },
+      }),
+    );
+    // The driver's cp, caught and stopped mid-copy, so that it is still copying when the driver dies.
+    const cp = await childNamed(first.proc.pid ?? 0, 'cp', 10_000);
+    let alive: boolean | undefined;
+    try {
+      process.kill(cp, 'SIGSTOP');
+      first.proc.kill('SIGKILL');
+      await first.exited;
+      await new Promise((r) => setTimeout(r, 500));
+      alive = await isRunning(cp);
+    } finally {
+      if (await isRunning(cp)) {
+        process.kill(cp, 'SIGKILL');
+        process.kill(cp, 'SIGCONT');
+      }
+    }
+    expect({ clone: await clone, copyLeftRunning: alive }).toEqual({
+      clone: 'UNAVAILABLE',
+      copyLeftRunning: false,
+    });
   });
 
   it('two controller processes racing on one name make one volume', async () => {

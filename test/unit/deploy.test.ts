@@ -823,6 +823,7 @@ describe('the Dockerfile', () => {
       blockdev: 'util-linux',
       fsfreeze: 'util-linux',
       fallocate: 'util-linux',
+      setpriv: 'util-linux',
       mount: 'mount',
       umount: 'mount',
       'mkfs.ext4': 'e2fsprogs',
