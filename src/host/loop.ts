@@ -14,6 +14,7 @@ import path from 'node:path';
 import { errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
 import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
+import { isSectorSize } from '../pool/types.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
@@ -173,7 +174,7 @@ export interface AttachOptions {
   /**
    * The device gets exactly this logical sector size: a raw block volume's, recorded when its data was
    * first written (the geometry its pod sees must not change). Without it, the kernel's choice stays
-   * unless the image holds an XFS made on smaller sectors.
+   * unless the image holds an XFS or ext2/3/4 of smaller units.
    */
   sectorSize?: number;
 }
@@ -196,40 +197,35 @@ export async function attachLoop(
   // who can write to a shared pool can) would hand the host's disk to a pod, or to mkfs: losetup
   // attaches the file checked, through the handle.
   return withImage(image, !opts.readOnly, async (h) => {
-    const pinned = pinnedPath(h);
-    const loop = await attachChecked(x, image, pinned, id, opts);
     // With direct I/O, kernels from 6.x give a loop device the backing file's direct-I/O alignment as
     // its sector size: 4096 for an image on an XFS pool once it shares blocks (its first snapshot or
-    // clone), where data written on 512-byte sectors is read at other offsets (a partition table), or
-    // refused (an O_DIRECT read of 512 bytes), and an XFS made on them no longer mounts. Older kernels
-    // give 512 whatever the pool's disk. A raw block volume gets the size its data was written on; a
-    // device holding an XFS made on smaller sectors gets that XFS's. The kernel then uses buffered I/O
-    // for it when the pool's alignment is larger (the stage says so). Every other device keeps the
-    // kernel's choice, as before: the image is read only when it has more than 512.
-    const was = await loopSectorSize(loop);
-    let sector = opts.sectorSize;
-    if (sector === undefined) {
-      if (was <= 512) return loop;
-      sector = await xfsSectorSize(h);
-      if (sector === undefined || was <= sector) return loop;
-    }
-    if (sector === was) return loop;
-    // Changed in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it
-    // open, and a retry could take it for a leftover.
-    await x.run('losetup', [`--sector-size=${sector}`, loop.path], { timeoutMs: 30_000 });
-    x.log.info({ device: loop.path, was, sector }, "set the sector size the volume's data was written on");
-    return { ...((await readLoop(loop.name)) ?? loop), backing: id };
+    // clone). Data written on 512-byte sectors is then read at other offsets (a partition table) or
+    // refused (an O_DIRECT read of 512 bytes), and a filesystem made on smaller units no longer mounts.
+    // Older kernels give 512 whatever the pool's disk. So a raw block volume is attached at the size
+    // its data was written on, and an image holding an XFS or ext2/3/4 of units under 4096 at that
+    // unit; losetup sets it as it attaches (no window in which something claims the device first).
+    // Where the pool's alignment is larger, the kernel then uses buffered I/O (the stage says so).
+    // Every other device keeps the kernel's choice.
+    const sectorSize = opts.sectorSize ?? (await smallUnitOf(h));
+    return attachChecked(x, image, pinnedPath(h), id, { ...opts, sectorSize });
   });
 }
 
-/** The sector size of the XFS an image holds (its superblock's sb_sectsize); undefined for anything else. */
-async function xfsSectorSize(h: FileHandle): Promise<number | undefined> {
-  const buf = Buffer.alloc(104);
+/**
+ * The unit of the XFS (sector size) or ext2/3/4 (block size) an image holds, when it is under 4096
+ * (what a kernel gives a loop device at most by itself); undefined for anything else.
+ */
+async function smallUnitOf(h: FileHandle): Promise<number | undefined> {
+  const buf = Buffer.alloc(EXT_SUPER + 64);
   const { bytesRead } = await h.read(buf, 0, buf.length, 0);
-  if (bytesRead < buf.length || buf.toString('latin1', 0, 4) !== 'XFSB') return undefined;
-  const size = buf.readUInt16BE(102);
-  return size >= 512 && size <= 32768 && (size & (size - 1)) === 0 ? size : undefined;
+  let unit: number | undefined;
+  if (bytesRead >= 104 && buf.toString('latin1', 0, 4) === 'XFSB') unit = buf.readUInt16BE(102);
+  else if (bytesRead === buf.length && buf.readUInt16LE(EXT_SUPER + 56) === 0xef53)
+    unit = 1024 * 2 ** Math.min(buf.readUInt32LE(EXT_SUPER + 24), 16);
+  return unit !== undefined && isSectorSize(unit) && unit < 4096 ? unit : undefined;
 }
+/** Where an ext2/3/4 superblock starts (its magic at +56, log2(block size / 1024) at +24). */
+const EXT_SUPER = 1024;
 
 async function attachChecked(
   x: Exec,
@@ -243,6 +239,7 @@ async function attachChecked(
   const args = ['--find', '--show'];
   if (opts.readOnly) args.push('--read-only');
   if (opts.directIo) args.push('--direct-io=on');
+  if (opts.sectorSize !== undefined) args.push(`--sector-size=${opts.sectorSize}`);
   args.push(pinned);
   let lastErr: unknown;
   for (let attempt = 0; attempt < 4; attempt++) {

@@ -16,6 +16,7 @@ import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
+import type { Initialization } from '../pool/volumes.js';
 import { prepareFilesystem } from './format.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
@@ -168,7 +169,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // too. The lease goes last, and only when nothing of the volume is left attached here.
   const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
   // A raw block volume is attached at the sector size its data was written on (none: never written).
-  const recorded = r.cap.accessType === 'block' ? await d.volumes.initialization(r.id) : undefined;
+  let recorded: Initialization | undefined;
   const attach = async (ro: boolean): Promise<LoopDevice> => {
     // Every attached device by name and the backing path sysfs shows (sysfs alone, no losetup): a
     // failed attach detaches only the volume's devices that are not among them. The path is part of the
@@ -193,6 +194,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     }
   };
   try {
+    if (r.cap.accessType === 'block') recorded = await d.volumes.initialization(r.id);
     for (const l of stale) {
       if (await d.host.claimed(l.path)) {
         throw conflict(

@@ -11,10 +11,11 @@
  * Delete: one rename moves the directory into the trash (the volume is gone at that instant, for every
  * process), then the files are removed. A crash in between leaves only trash, swept at the next start.
  */
-import fs from 'node:fs/promises';
+import { constants } from 'node:fs';
+import fs, { type FileHandle } from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { conflict, missing } from '../errors.js';
+import { conflict, errnoCode, missing } from '../errors.js';
 import type { Capacity } from './capacity.js';
 import {
   createExclusive,
@@ -22,7 +23,6 @@ import {
   fsyncDir,
   isRecord,
   listDir,
-  readJson,
   readRecord,
   type RecordRead,
   writeFileAtomic,
@@ -36,6 +36,7 @@ import { damagedRecord, type Pool } from './pool.js';
 import { isSectorSize, type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
 
 const LIST_BATCH = 256;
+const { O_RDONLY, O_NOFOLLOW, O_NONBLOCK } = constants;
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 
@@ -239,28 +240,37 @@ export class VolumeStore extends VolumeFences {
 
   /** Whether the volume was ever formatted or written raw; never "no" for a pool that is not there. */
   async isInitialized(id: string): Promise<boolean> {
-    if (await exists(this.layout.volumeInitialized(id))) return true;
-    await this.pool.assertPresent();
-    return false;
+    return (await this.initialization(id)) !== undefined;
   }
 
   /**
    * What the volume's marker records; undefined when it was never initialized (never for a pool that
-   * is not there). A marker that cannot be read still says "initialized": it records no sector size.
+   * is not there). Anything in the marker's place says "initialized" (as before there were sizes to
+   * record): one that is not a small regular file, or not readable, records no sector size.
    */
   async initialization(id: string): Promise<Initialization | undefined> {
-    let v: unknown;
+    let h: FileHandle;
     try {
-      v = await readJson(this.layout.volumeInitialized(id));
+      // Never through a symlink, never blocking on a FIFO planted there (a shared pool).
+      h = await fs.open(this.layout.volumeInitialized(id), O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
     } catch (err) {
-      if (!(err instanceof SyntaxError)) throw err;
-      return {};
-    }
-    if (v === undefined) {
+      const code = errnoCode(err);
+      if (code === 'ELOOP' || code === 'ENXIO') return {};
+      if (code !== 'ENOENT' && code !== 'ENOTDIR') throw err;
       await this.pool.assertPresent();
       return undefined;
     }
-    return isRecord(v) && isSectorSize(v.sectorSize) ? { sectorSize: v.sectorSize } : {};
+    try {
+      const st = await h.stat();
+      if (!st.isFile() || st.size > 4096) return {};
+      const v = JSON.parse(await h.readFile('utf8')) as unknown;
+      return isRecord(v) && isSectorSize(v.sectorSize) ? { sectorSize: v.sectorSize } : {};
+    } catch (err) {
+      if (err instanceof SyntaxError) return {};
+      throw err;
+    } finally {
+      await h.close();
+    }
   }
 
   /** At least `bytes` of volume `id` may now be shared with a reflink of it; the caller holds its lock. */

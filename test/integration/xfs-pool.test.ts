@@ -170,6 +170,40 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     });
   });
 
+  it('mounts the restore of an ext4 with 1 KiB blocks that a pod made on a raw block volume', async () => {
+    // mke2fs makes 1 KiB blocks on small devices: such an ext4 does not mount on 4096-byte sectors.
+    const raw = blockCap();
+    const src = await createVolume(d, 'pod-ext4', raw, 64 * MiB);
+    const st = (n: string) => path.join(base, `pod-ext4-st-${n}`);
+    const tg = (n: string) => path.join(base, 'pod-ext4-pods', n, 'dev');
+    await stage(d, src.id, st('src'), raw);
+    await publish(d, src.id, st('src'), tg('src'), raw);
+    sh('mkfs.ext4', ['-q', '-b', '1024', tg('src')]);
+    await d.clients.node.NodeUnpublishVolume({ volume_id: src.id, target_path: tg('src') });
+    await d.clients.node.NodeUnstageVolume({ volume_id: src.id, staging_target_path: st('src') });
+    const snap = await d.clients.controller.CreateSnapshot({
+      name: 'pod-ext4-snap',
+      source_volume_id: src.id,
+    });
+    const cap = mountCap('ext4');
+    const restored = await d.clients.controller.CreateVolume({
+      name: 'pod-ext4-restored',
+      capacity_range: { required_bytes: String(64 * MiB) },
+      volume_capabilities: [cap],
+      volume_content_source: { snapshot: { snapshot_id: snap.snapshot?.snapshot_id } },
+    });
+    const id = restored.volume?.volume_id ?? '';
+    await d.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id: 'node-1',
+      volume_capability: cap,
+    });
+    const code = await codeOf(stage(d, id, st('restored'), cap));
+    if (code === 'OK')
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st('restored') });
+    expect(code).toBe('OK');
+  });
+
   it('refuses a group snapshot of two raw block volumes in use (no freeze: two instants), takes one of one', async () => {
     const cap = blockCap();
     const a = await createVolume(d, 'grp-a', cap, 16 * MiB);

@@ -3,6 +3,7 @@
  * and a restore or a clone gets it in its own `initialized` marker, so that its raw block device is
  * attached with the geometry the data was written on (loop.ts). In-process, on a real pool.
  */
+import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it } from 'vitest';
 import { parseSnapshotMeta } from '../../src/pool/types.js';
@@ -76,15 +77,31 @@ describe('the sector size a volume was written on', () => {
     });
   });
 
-  it('is absent for a volume never initialized, and an unreadable marker still says initialized', async () => {
+  it('is absent for a volume never initialized; a marker unreadable, a symlink or a FIFO still says initialized', async () => {
     const w = await controllerWorld();
     const blank = volumeIdOf(await w.CreateVolume('blank'));
     const damaged = volumeIdOf(await w.CreateVolume('damaged'));
     await fs.writeFile(w.pool.layout.volumeInitialized(damaged), '{"by": "node n1", "sectorS');
+    // Planted in a shared pool: read through neither, nor blocked on.
+    const dangling = volumeIdOf(await w.CreateVolume('dangling'));
+    await fs.symlink('/nonexistent/marker', w.pool.layout.volumeInitialized(dangling));
+    const fifo = volumeIdOf(await w.CreateVolume('fifo'));
+    execFileSync('mkfifo', [w.pool.layout.volumeInitialized(fifo)]);
+    const read = async (id: string) => ({
+      initialization: await w.volumes.initialization(id),
+      initialized: await w.volumes.isInitialized(id),
+    });
     expect({
-      blank: await w.volumes.initialization(blank),
-      damaged: await w.volumes.initialization(damaged),
-    }).toEqual({ blank: undefined, damaged: {} });
+      blank: await read(blank),
+      damaged: await read(damaged),
+      dangling: await read(dangling),
+      fifo: await read(fifo),
+    }).toEqual({
+      blank: { initialization: undefined, initialized: false },
+      damaged: { initialization: {}, initialized: true },
+      dangling: { initialization: {}, initialized: true },
+      fifo: { initialization: {}, initialized: true },
+    });
   });
 
   it('makes a snapshot record damaged when it is not a sector size', () => {
