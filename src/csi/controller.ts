@@ -299,7 +299,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       locks: (v) => [v.id],
       run: async ({ id, range }, ctx) => {
         if (!isVolumeId(id)) throw notFound(`Volume ${id} does not exist.`);
-        const updated = await volumes.update(id, 'ControllerExpandVolume', async (meta) => {
+        const updated = await volumes.update(id, 'ControllerExpandVolume', async (meta, lock) => {
           const current = meta.capacityBytes;
           const requested = range.requiredBytes > 0 ? roundUpMiB(range.requiredBytes) : current;
           if (range.limitBytes > 0 && requested > range.limitBytes) {
@@ -330,7 +330,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           );
           let grown = false;
           try {
-            await growImage(ctx, image, target, meta.allocation === 'preallocate');
+            await growImage(ctx, image, target, meta.allocation === 'preallocate', lock);
             grown = true;
           } finally {
             settle(

@@ -9,6 +9,7 @@ import fs, { type FileHandle } from 'node:fs/promises';
 import { busy, conflict, errnoCode, invalid, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { type CopyPurpose, telemetry } from '../telemetry.js';
+import type { HeldLock } from './lock.js';
 
 export type CopyMethod = 'reflink' | 'sparse-copy';
 
@@ -109,14 +110,25 @@ async function reserveBlocks(x: Exec, h: FileHandle, offset: number, length: num
   await h.sync();
 }
 
-/** Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. */
-export async function growImage(x: Exec, file: string, size: number, preallocated: boolean): Promise<void> {
+/**
+ * Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. `lock`, the
+ * volume's, is checked right before the length is set: a process that lost it (stalled past its lease)
+ * must not set back an image another process grew meanwhile, and the pod's data written past `size`.
+ */
+export async function growImage(
+  x: Exec,
+  file: string,
+  size: number,
+  preallocated: boolean,
+  lock?: HeldLock,
+): Promise<void> {
   await withImage(file, true, async (h) => {
     const st = await h.stat();
     if (st.size >= size) return;
-    // fallocate extends the file too; a sparse image is only made longer.
+    // fallocate extends the file too (it never shrinks one); a sparse image is only made longer.
     if (preallocated) await reserveBlocks(x, h, st.size, size - st.size);
-    await h.truncate(size);
+    lock?.assertHeld();
+    if ((await h.stat()).size < size) await h.truncate(size);
     await h.sync();
   });
 }

@@ -292,6 +292,9 @@ export class LockManager {
     return {
       signal: controller.signal,
       assertHeld: () => {
+        // By the clock too: a process stalled (stopped, swapped out) past half a lease resumes before
+        // its renewal timer has run, while another may have taken the lock over.
+        if (performance.now() - lastRenewed > this.leaseMs / 2) lose('the lock could not be renewed');
         if (controller.signal.aborted) {
           throw busy(`This process lost its lock on ${path.basename(file, '.lock')} while working; retry.`);
         }

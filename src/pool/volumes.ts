@@ -299,16 +299,20 @@ export class VolumeStore extends VolumeFences {
     return this.pool.withLock(`${id}.format`, 'format decision', fn, waitMs);
   }
 
-  /** Runs `fn` on the current record under the volume's lock and stores what it returns. */
+  /**
+   * Runs `fn` on the current record under the volume's lock and stores what it returns, unless the
+   * lock was lost meanwhile (another process's record is newer).
+   */
   async update(
     id: string,
     purpose: string,
-    fn: (meta: VolumeMeta) => Promise<VolumeMeta | undefined>,
+    fn: (meta: VolumeMeta, lock: HeldLock) => Promise<VolumeMeta | undefined>,
   ): Promise<VolumeMeta> {
-    return this.pool.withLock(id, purpose, async () => {
+    return this.pool.withLock(id, purpose, async (lock) => {
       const meta = await this.mustGet(id);
-      const next = await fn(meta);
+      const next = await fn(meta, lock);
       if (!next) return meta;
+      lock.assertHeld();
       const stored = { ...next, updatedAt: new Date().toISOString() };
       await this.writeMeta(stored);
       return stored;

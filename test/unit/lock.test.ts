@@ -4,7 +4,9 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it, vi } from 'vitest';
+import { bindExec, type Runner } from '../../src/exec/runner.js';
 import { Capacity } from '../../src/pool/capacity.js';
+import { growImage } from '../../src/pool/images.js';
 import { isHeld, LockManager } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
 import { Pool } from '../../src/pool/pool.js';
@@ -18,6 +20,7 @@ afterAll(async () => {
 });
 
 const log = pino({ level: 'silent' });
+const MiB = 2 ** 20;
 
 /** A child process that takes `key` in `dir` and holds it until killed; resolves once it holds it. */
 async function holder(dir: string, key: string) {
@@ -164,6 +167,52 @@ describe('LockManager', () => {
     } finally {
       hang.mockRestore();
     }
+  });
+
+  it('a holder stalled past half a lease is told at its next check, before its renewal timer runs', async () => {
+    const dir = await tempDir('lock7');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
+    const got = await locks.tryAcquire('k', 'holder');
+    if (!isHeld(got)) throw new Error('not held');
+    got.assertHeld();
+    // A process stopped or starved for longer than half a lease: no timer ran meanwhile.
+    const until = performance.now() + 250;
+    while (performance.now() < until) {
+      /* the event loop is blocked, as in a stopped process */
+    }
+    expect(() => {
+      got.assertHeld();
+    }).toThrow(/lost its lock/);
+    await got.release();
+  });
+
+  it('growing an image never sets back the length another process gave it meanwhile', async () => {
+    const dir = await tempDir('grow');
+    dirs.push(dir);
+    const file = path.join(dir, 'disk.img');
+    await fs.writeFile(file, '');
+    await fs.truncate(file, MiB);
+    // While this process runs fallocate, another (which took the lock over) grew the image to 4 MiB
+    // and its pod wrote at the end.
+    const runner: Runner = {
+      run: async () => {
+        await fs.truncate(file, 4 * MiB);
+        const h = await fs.open(file, 'r+');
+        await h.write(Buffer.from('theirs'), 0, 6, 4 * MiB - 6);
+        await h.close();
+        return { exitCode: 0, stdout: '', stderr: '' };
+      },
+    };
+    await growImage(bindExec(runner, { log, deadline: Infinity }), file, 2 * MiB, true);
+    const h = await fs.open(file, 'r');
+    const end = Buffer.alloc(6);
+    await h.read(end, 0, 6, 4 * MiB - 6);
+    await h.close();
+    expect({ size: (await fs.stat(file)).size, end: end.toString() }).toEqual({
+      size: 4 * MiB,
+      end: 'theirs',
+    });
   });
 
   it('refuses keys that are not safe file names', async () => {
