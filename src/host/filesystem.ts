@@ -194,9 +194,19 @@ export async function flushDeviceBuffers(x: Exec, device: string): Promise<void>
   await x.run('blockdev', ['--flushbufs', device], { timeoutMs: 30_000 });
 }
 
-/** How much smaller than its device a filesystem may be and still count as filling it. */
+/** How much smaller than its device a filesystem may be and still count as filling it, once grown. */
 export function growthSlack(deviceBytes: number): number {
   return 4 * 2 ** 20 + Math.floor(deviceBytes * 0.005);
+}
+
+/**
+ * Whether a filesystem of `fsBytes` is to be grown to its device: when it is short by more than what
+ * mkfs and the grow tools leave unused at a device's end (a last ext4 block group too small to keep,
+ * about 2 MiB at most with our mkfs options; less for xfs and btrfs). A fixed amount, never a share of
+ * the size: a share (the check after a growth allows one) would skip growths of 5 GiB at 1 TiB.
+ */
+export function mustGrow(fsBytes: number | undefined, deviceBytes: number): boolean {
+  return fsBytes !== undefined && fsBytes < deviceBytes - 4 * 2 ** 20;
 }
 
 /** Grows an unmounted ext4 filesystem to fill its device (resize2fs wants a forced check first). */

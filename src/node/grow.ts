@@ -5,7 +5,7 @@
 import path from 'node:path';
 import { broken, conflict, missing, outsideRange } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
-import { growthSlack, OnlineGrowthUnsupported } from '../host/filesystem.js';
+import { growthSlack, mustGrow, OnlineGrowthUnsupported } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount } from '../host/mounts.js';
 import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
@@ -30,7 +30,8 @@ export async function growMounted(
 ): Promise<void> {
   const fills = (n: number | undefined): boolean =>
     n !== undefined && n >= loop.sizeBytes - growthSlack(loop.sizeBytes);
-  if (fills(await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint))) return;
+  const was = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
+  if (was !== undefined && !mustGrow(was, loop.sizeBytes)) return;
   const before = (await d.host.usage(mountPoint)).totalBytes;
   await d.host.growOnline(x, fsType, loop.path, mountPoint);
   const size = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
@@ -90,7 +91,7 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   }
   if (isReadOnlyMount(top)) {
     const fsSize = await d.host.mountedFilesystemSize(x, fsType, loop.path, p);
-    if (fsSize !== undefined && fsSize >= size - growthSlack(size)) return size;
+    if (fsSize !== undefined && !mustGrow(fsSize, size)) return size;
     throw conflict(
       `Volume ${r.id} is mounted read-only here; its filesystem will be grown when it is next staged read-write.`,
     );
@@ -123,7 +124,7 @@ export async function checkAndGrowOffline(
 ): Promise<boolean> {
   await d.host.check(x, fsType, loop.path);
   const size = await d.host.filesystemSize(fsType, loop.path);
-  const small = size !== undefined && size < loop.sizeBytes - growthSlack(loop.sizeBytes);
+  const small = mustGrow(size, loop.sizeBytes);
   if (!small || fsType !== 'ext4') return small;
   await d.host.growOffline(x, loop.path);
   const grown = await d.host.filesystemSize('ext4', loop.path);

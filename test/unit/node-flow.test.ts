@@ -22,6 +22,7 @@ import {
   codeOf,
   during,
   log,
+  MiB,
   must,
   newVolume,
   NODE,
@@ -887,6 +888,27 @@ describe('NodeExpandVolume', () => {
       size: 2 * SIZE,
     });
     expect((await w.host.usage(TARGET)).totalBytes).toBe(2 * SIZE);
+  });
+
+  it('grows a large filesystem by an expansion smaller than half a percent of it, online and at stage', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    const TiB = 2 ** 40;
+    await fs.truncate(image, TiB); // sparse: formatted (by the fake) at 1 TiB
+    await stage(w, id);
+    await publish(w, id);
+    await fs.truncate(image, TiB + 1024 * MiB);
+    const online = await during(w, () =>
+      expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: TiB + 1024 * MiB, limitBytes: 0 }),
+    );
+    await unpublish(w, id);
+    await unstage(w, id);
+    await fs.truncate(image, TiB + 2048 * MiB);
+    await stage(w, id);
+    expect({ online: online.ops, staged: (await w.host.usage(STAGING)).totalBytes }).toEqual({
+      online: ['refresh loop0', 'grow-online ext4 /dev/loop0'],
+      staged: TiB + 2048 * MiB,
+    });
   });
 
   it('refuses a limit below the image without growing a raw block device (its refresh is the growth)', async () => {
