@@ -6,7 +6,7 @@
  */
 import fs from 'node:fs/promises';
 import type { Config } from '../config.js';
-import { invalidArgument, notFound, outOfRange, resourceExhausted } from '../errors.js';
+import { invalidArgument, notFound, outOfRange } from '../errors.js';
 import type { ControllerHandlers } from '../gen/csi/v1/Controller.js';
 import type { ControllerServiceCapability } from '../gen/csi/v1/ControllerServiceCapability.js';
 import type { VolumeCondition } from '../gen/csi/v1/VolumeCondition.js';
@@ -356,15 +356,19 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         await volumes.update(id, 'ControllerModifyVolume', async (meta) => {
           const allocation = mutable.allocation ?? meta.allocation;
           if (allocation === 'preallocate' && meta.allocation !== 'preallocate') {
-            const { freeBytes } = await d.capacity.report();
+            // Admitted as a preallocated CreateVolume is: against the space the other volumes' promises
+            // leave (and what other calls of this process are taking), never against free space alone,
+            // which would let it take the blocks the sparse volumes were promised.
             const st = await fs.stat(volumes.imagePath(id));
             const needed = Math.max(0, st.size - st.blocks * 512);
-            if (needed > freeBytes) {
-              throw resourceExhausted(
-                `The pool has ${formatBytes(freeBytes)} free, not the ${formatBytes(needed)} volume ${id} needs preallocated.`,
-              );
+            const settle = await d.capacity.reserve(needed, 'preallocate', `preallocating volume ${id}`, {
+              id,
+            });
+            try {
+              await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes);
+            } finally {
+              settle(undefined);
             }
-            await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes);
           }
           return { ...meta, allocation, mutableParameters: { ...meta.mutableParameters, ...raw } };
         });

@@ -606,6 +606,46 @@ describe('capacity', () => {
     await d.stop();
   });
 
+  it('admits a ControllerModifyVolume to preallocate as a preallocated CreateVolume, not against free space', async () => {
+    const d = await onScratchPool('prealloc-modify.sock', ['--overcommit-ratio=2']);
+    const preRoom = Number(
+      (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
+        .available_capacity,
+    );
+    // Two sparse volumes that together promise more than the free space (the ratio allows it), each
+    // smaller than it: preallocating one would take blocks the other was promised.
+    const each = Math.floor((preRoom * 0.6) / MiB) * MiB;
+    const ids: string[] = [];
+    for (const name of ['modify-a', 'modify-b']) {
+      const v = await d.clients.controller.CreateVolume({
+        name,
+        volume_capabilities: [blockCap()],
+        capacity_range: { required_bytes: String(each) },
+      });
+      ids.push(v.volume?.volume_id ?? '');
+    }
+    const room = Number(
+      (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
+        .available_capacity,
+    );
+    const modify = await errorOf(
+      d.clients.controller.ControllerModifyVolume({
+        volume_id: ids[1] ?? '',
+        mutable_parameters: { allocation: 'preallocate' },
+      }),
+    );
+    const meta = JSON.parse(
+      await fs.readFile(path.join(d.poolDir, 'volumes', ids[1] ?? '', 'meta.json'), 'utf8'),
+    ) as { allocation: string };
+    expect({
+      fits: each <= room,
+      modify: `${modify.code}: ${/ preallocated, not enough /.test(modify.details)}`,
+      allocation: meta.allocation,
+    }).toEqual({ fits: false, modify: 'RESOURCE_EXHAUSTED: true', allocation: 'sparse' });
+    for (const id of ids) await d.clients.controller.DeleteVolume({ volume_id: id });
+    await d.stop();
+  });
+
   it('reports no capacity for another pool, and the filesystem minimum', async () => {
     const d = await driver({ dir: await dir('cap2') });
     const other = await d.clients.controller.GetCapacity({
