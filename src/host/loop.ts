@@ -174,7 +174,7 @@ export interface AttachOptions {
   /**
    * The device gets exactly this logical sector size: a raw block volume's, recorded when its data was
    * first written (the geometry its pod sees must not change). Without it, the kernel's choice stays
-   * unless the image holds an XFS or ext2/3/4 of smaller units.
+   * unless it is larger than the unit of the XFS or ext2/3/4 the image holds.
    */
   sectorSize?: number;
 }
@@ -202,27 +202,37 @@ export async function attachLoop(
     // clone). Data written on 512-byte sectors is then read at other offsets (a partition table) or
     // refused (an O_DIRECT read of 512 bytes), and a filesystem made on smaller units no longer mounts.
     // Older kernels give 512 whatever the pool's disk. So a raw block volume is attached at the size
-    // its data was written on, and an image holding an XFS or ext2/3/4 of units under 4096 at that
-    // unit; losetup sets it as it attaches (no window in which something claims the device first).
-    // Where the pool's alignment is larger, the kernel then uses buffered I/O (the stage says so).
-    // Every other device keeps the kernel's choice.
-    const sectorSize = opts.sectorSize ?? (await smallUnitOf(h));
-    return attachChecked(x, image, pinnedPath(h), id, { ...opts, sectorSize });
+    // its data was written on: losetup sets it as it attaches, before anything (LVM, md) can claim the
+    // device. A device that came up with sectors larger than the unit of the XFS (sector size) or
+    // ext2/3/4 (block size) its image holds gets that unit, in place. Where the pool's alignment is
+    // larger, the kernel then uses buffered I/O (the stage says so). Every other device keeps the
+    // kernel's choice; the image is read only when it came up with more than 512.
+    const pinned = pinnedPath(h);
+    if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, opts);
+    const loop = await attachChecked(x, image, pinned, id, opts);
+    const was = await loopSectorSize(loop);
+    if (was <= 512) return loop;
+    const unit = await filesystemUnitOf(h);
+    if (unit === undefined || was <= unit) return loop;
+    // In place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it open.
+    await x.run('losetup', [`--sector-size=${unit}`, loop.path], { timeoutMs: 30_000 });
+    x.log.info(
+      { device: loop.path, was, sector: unit },
+      'set the sector size of the filesystem the image holds',
+    );
+    return { ...((await readLoop(loop.name)) ?? loop), backing: id };
   });
 }
 
-/**
- * The unit of the XFS (sector size) or ext2/3/4 (block size) an image holds, when it is under 4096
- * (what a kernel gives a loop device at most by itself); undefined for anything else.
- */
-async function smallUnitOf(h: FileHandle): Promise<number | undefined> {
+/** The unit of the XFS (sector size) or ext2/3/4 (block size) an image holds; undefined for anything else. */
+async function filesystemUnitOf(h: FileHandle): Promise<number | undefined> {
   const buf = Buffer.alloc(EXT_SUPER + 64);
   const { bytesRead } = await h.read(buf, 0, buf.length, 0);
   let unit: number | undefined;
   if (bytesRead >= 104 && buf.toString('latin1', 0, 4) === 'XFSB') unit = buf.readUInt16BE(102);
   else if (bytesRead === buf.length && buf.readUInt16LE(EXT_SUPER + 56) === 0xef53)
     unit = 1024 * 2 ** Math.min(buf.readUInt32LE(EXT_SUPER + 24), 16);
-  return unit !== undefined && isSectorSize(unit) && unit < 4096 ? unit : undefined;
+  return isSectorSize(unit) ? unit : undefined;
 }
 /** Where an ext2/3/4 superblock starts (its magic at +56, log2(block size / 1024) at +24). */
 const EXT_SUPER = 1024;
