@@ -201,12 +201,14 @@ export function growthSlack(deviceBytes: number): number {
 
 /**
  * Whether a filesystem of `fsBytes` is to be grown to its device: when it is short by more than what
- * mkfs and the grow tools leave unused at a device's end (a last ext4 block group too small to keep,
- * about 2 MiB at most with our mkfs options; less for xfs and btrfs). A fixed amount, never a share of
- * the size: a share (the check after a growth allows one) would skip growths of 5 GiB at 1 TiB.
+ * mkfs and the grow tools leave unused at a device's end. That is a last ext4 block group too small to
+ * keep: its overhead (a backup superblock, group descriptors growing by 64 bytes per 128 MiB, reserved
+ * descriptor blocks, bitmaps, inode table) plus 50 blocks, measured at 5-6 MiB at 6-10 GiB; xfs and
+ * btrfs fill their device. So 8 MiB plus 1 MiB per TiB, not a share of the size as the check after a
+ * growth allows (4 MiB + 0.5%), which skipped growths of 5 GiB at 1 TiB.
  */
 export function mustGrow(fsBytes: number | undefined, deviceBytes: number): boolean {
-  return fsBytes !== undefined && fsBytes < deviceBytes - 4 * 2 ** 20;
+  return fsBytes !== undefined && fsBytes < deviceBytes - (8 * 2 ** 20 + Math.floor(deviceBytes / 2 ** 20));
 }
 
 /** Grows an unmounted ext4 filesystem to fill its device (resize2fs wants a forced check first). */
