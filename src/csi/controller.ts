@@ -358,11 +358,12 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           if (allocation === 'preallocate' && meta.allocation !== 'preallocate') {
             // Admitted as a preallocated CreateVolume is: against the space the other volumes' promises
             // leave (and what other calls of this process are taking), never against free space alone,
-            // which would let it take the blocks the sparse volumes were promised.
+            // which would let it take the blocks the other sparse volumes were promised.
             const st = await fs.stat(volumes.imagePath(id));
             const needed = Math.max(0, st.size - st.blocks * 512);
             const settle = await d.capacity.reserve(needed, 'preallocate', `preallocating volume ${id}`, {
               id,
+              promised: needed, // its own promise, which these blocks replace
             });
             try {
               await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes);

@@ -248,16 +248,23 @@ export class Capacity {
    * Reserves `bytes` for volume `id` about to be made (or grown), or throws RESOURCE_EXHAUSTED. The
    * returned function settles the reservation: `promisedAfter` is what the change adds to the volume's
    * promise (its unwritten size), or undefined when it was not made. `anyAge`: under a freeze, the
-   * cached count is used however old (the caller read it before freezing).
+   * cached count is used however old (the caller read it before freezing). `promised`: what of the
+   * count is the volume's own promise, which the blocks reserved replace (a sparse volume preallocated).
    */
   async reserve(
     bytes: number,
     kind: Reservation,
     what: string,
-    { id, anyAge = false }: { id?: string; anyAge?: boolean } = {},
+    { id, anyAge = false, promised = 0 }: { id?: string; anyAge?: boolean; promised?: number } = {},
   ): Promise<(promisedAfter: number | undefined) => void> {
     const report = (await this.measure(anyAge))();
-    const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
+    const others = Math.max(0, report.promisedBytes - promised);
+    const room =
+      kind === 'sparse'
+        ? report.availableBytes
+        : promised > 0
+          ? Math.max(0, Math.floor(report.freeBytes - this.pendingBlocks - others / this.ratio))
+          : report.availablePreallocatedBytes;
     if (bytes > room) {
       throw noSpace(
         `The pool has room for ${formatBytes(room)}${kind === 'preallocate' ? ' preallocated' : ''}, not enough for ${what} of ${formatBytes(bytes)}.`,

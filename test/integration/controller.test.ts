@@ -606,15 +606,11 @@ describe('capacity', () => {
     await d.stop();
   });
 
-  it('admits a ControllerModifyVolume to preallocate as a preallocated CreateVolume, not against free space', async () => {
+  it("admits a ControllerModifyVolume to preallocate against the other volumes' promises, not free space alone", async () => {
     const d = await onScratchPool('prealloc-modify.sock', ['--overcommit-ratio=2']);
-    const preRoom = Number(
-      (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
-        .available_capacity,
-    );
-    // Two sparse volumes that together promise more than the free space (the ratio allows it), each
-    // smaller than it: preallocating one would take blocks the other was promised.
-    const each = Math.floor((preRoom * 0.6) / MiB) * MiB;
+    // Two sparse volumes that together promise nearly twice the free space (the ratio allows it), each
+    // smaller than the free space: preallocating one would take blocks the other was promised.
+    const each = Math.floor((0.45 * (await available(d))) / MiB) * MiB;
     const ids: string[] = [];
     for (const name of ['modify-a', 'modify-b']) {
       const v = await d.clients.controller.CreateVolume({
@@ -624,25 +620,38 @@ describe('capacity', () => {
       });
       ids.push(v.volume?.volume_id ?? '');
     }
-    const room = Number(
-      (await d.clients.controller.GetCapacity({ parameters: { allocation: 'preallocate' } }))
-        .available_capacity,
-    );
-    const modify = await errorOf(
+    const [a, b] = [ids[0] ?? '', ids[1] ?? ''];
+    const free = (await fs.statfs(pool.mountPoint)).bavail * (await fs.statfs(pool.mountPoint)).bsize;
+    const modify = () =>
       d.clients.controller.ControllerModifyVolume({
-        volume_id: ids[1] ?? '',
+        volume_id: b,
         mutable_parameters: { allocation: 'preallocate' },
-      }),
-    );
-    const meta = JSON.parse(
-      await fs.readFile(path.join(d.poolDir, 'volumes', ids[1] ?? '', 'meta.json'), 'utf8'),
-    ) as { allocation: string };
+      });
+    const allocation = async () =>
+      (
+        JSON.parse(await fs.readFile(path.join(d.poolDir, 'volumes', b, 'meta.json'), 'utf8')) as {
+          allocation: string;
+        }
+      ).allocation;
+    const refused = await errorOf(modify());
+    const whileShared = await allocation();
+    // Once the other volume is gone, its own promise is all it replaces: admitted.
+    await d.clients.controller.DeleteVolume({ volume_id: a });
+    const admitted = await codeOf(modify());
     expect({
-      fits: each <= room,
-      modify: `${modify.code}: ${/ preallocated, not enough /.test(modify.details)}`,
-      allocation: meta.allocation,
-    }).toEqual({ fits: false, modify: 'RESOURCE_EXHAUSTED: true', allocation: 'sparse' });
-    for (const id of ids) await d.clients.controller.DeleteVolume({ volume_id: id });
+      lessThanFree: each < free,
+      refused: `${refused.code}: ${/ preallocated, not enough /.test(refused.details)}`,
+      whileShared,
+      admitted,
+      after: await allocation(),
+    }).toEqual({
+      lessThanFree: true,
+      refused: 'RESOURCE_EXHAUSTED: true',
+      whileShared: 'sparse',
+      admitted: 'OK',
+      after: 'preallocate',
+    });
+    await d.clients.controller.DeleteVolume({ volume_id: b });
     await d.stop();
   });
 
