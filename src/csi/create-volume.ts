@@ -159,6 +159,34 @@ export function createVolumeMethod(
           `This driver provisions in ${TOPOLOGY_KEY}=${poolName}, which the accessibility requirements exclude.`,
         );
       }
+      const compatible = (existing: VolumeMeta): string | undefined => {
+        if (existing.name !== v.name) return 'a different name hashes to the same id';
+        if (v.range.requiredBytes > 0 && existing.capacityBytes < v.range.requiredBytes)
+          return `its size is ${formatBytes(existing.capacityBytes)}`;
+        if (v.range.limitBytes > 0 && existing.capacityBytes > v.range.limitBytes)
+          return `its size is ${formatBytes(existing.capacityBytes)}`;
+        if (!sameStrings(existing.parameters, v.req.parameters))
+          return 'it was created with other parameters';
+        if (!sameStrings(existing.mutableParameters, v.req.mutable_parameters))
+          return 'it was created with other mutable parameters';
+        if (existing.contentSource?.kind !== v.source?.kind || existing.contentSource?.id !== v.source?.id)
+          return 'it has another content source';
+        if (v.fsType && v.fsType !== existing.fsType) return `it was created for ${existing.fsType}`;
+        return undefined;
+      };
+      const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName, d.pool.id) });
+
+      // A retry finds the volume it made, whatever became of its source since (expanded, written to,
+      // its snapshot deleted): judged by the request alone. A damaged record is not "existing":
+      // volumes.create quarantines it and says where it went.
+      const found = await volumes.inspect(v.id);
+      const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
+      if (existing) {
+        const why = compatible(existing);
+        if (why) throw alreadyExists(`A volume named ${JSON.stringify(v.name)} already exists, but ${why}.`);
+        return respond(existing);
+      }
+
       // Resolve the content source (NOT_FOUND when absent). A source volume is read again under its lock,
       // before it is copied: what is decided here from it must still hold then.
       let sourceBytes: number | undefined;
@@ -202,32 +230,6 @@ export function createVolumeMethod(
         throw outOfRange(
           `The pool's filesystem holds files of at most ${formatBytes(largest)}; a volume of ${formatBytes(size)} cannot be made there.`,
         );
-      }
-
-      const compatible = (existing: VolumeMeta): string | undefined => {
-        if (existing.name !== v.name) return 'a different name hashes to the same id';
-        if (v.range.requiredBytes > 0 && existing.capacityBytes < v.range.requiredBytes)
-          return `its size is ${formatBytes(existing.capacityBytes)}`;
-        if (v.range.limitBytes > 0 && existing.capacityBytes > v.range.limitBytes)
-          return `its size is ${formatBytes(existing.capacityBytes)}`;
-        if (!sameStrings(existing.parameters, v.req.parameters))
-          return 'it was created with other parameters';
-        if (!sameStrings(existing.mutableParameters, v.req.mutable_parameters))
-          return 'it was created with other mutable parameters';
-        if (existing.contentSource?.kind !== v.source?.kind || existing.contentSource?.id !== v.source?.id)
-          return 'it has another content source';
-        if (v.fsType && v.fsType !== existing.fsType) return `it was created for ${existing.fsType}`;
-        return undefined;
-      };
-      const respond = (meta: VolumeMeta) => ({ volume: volumeMessage(meta, poolName, d.pool.id) });
-
-      // A damaged record is not "existing": volumes.create quarantines it and says where it went.
-      const found = await volumes.inspect(v.id);
-      const existing = found.state === 'ok' && found.value.state === 'ready' ? found.value : undefined;
-      if (existing) {
-        const why = compatible(existing);
-        if (why) throw alreadyExists(`A volume named ${JSON.stringify(v.name)} already exists, but ${why}.`);
-        return respond(existing);
       }
 
       const now = new Date().toISOString();

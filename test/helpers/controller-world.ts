@@ -129,6 +129,8 @@ export async function controllerWorld({ under = os.tmpdir(), overcommitRatio = 1
       must(snaps.CreateSnapshot)
         .prepare({ name, source_volume_id: sourceVolumeId, parameters: {}, secrets: {} })
         .run(ctx('CreateSnapshot')),
+    DeleteSnapshot: (snapshotId: string): Promise<unknown> =>
+      must(snaps.DeleteSnapshot).prepare({ snapshot_id: snapshotId, secrets: {} }).run(ctx('DeleteSnapshot')),
     CreateVolumeGroupSnapshot: (
       name: string,
       sourceVolumeIds: string[],

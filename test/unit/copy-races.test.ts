@@ -119,6 +119,59 @@ describe('a copy of a volume whose first stage happens while the copy waits for 
   });
 });
 
+describe('a retried CreateVolume from a source', () => {
+  // The provisioner retries a slow copy whose call it timed out; the volume was made meanwhile.
+  const retried = async (
+    change: (w: ControllerWorld, src: string, snap: string) => Promise<unknown>,
+    source: 'volume' | 'snapshot',
+  ) => {
+    const w = await controllerWorld();
+    const src = volumeIdOf(await w.CreateVolume('src'));
+    const snap = (await w.CreateSnapshot('snap', src)).snapshot?.snapshot_id ?? '';
+    const ask = {
+      bytes: 64 * MiB,
+      caps: [mountCapability()],
+      source: source === 'volume' ? fromVolume(src) : fromSnapshot(snap),
+    };
+    const made = volumeIdOf(await w.CreateVolume('copy', ask));
+    await change(w, src, snap);
+    let id: string | undefined;
+    const again = await codeOf(
+      w.CreateVolume('copy', ask).then((r) => {
+        id = r.volume?.volume_id;
+      }),
+    );
+    return { same: id === made, again };
+  };
+
+  it.each<
+    [string, 'volume' | 'snapshot', (w: ControllerWorld, src: string, snap: string) => Promise<unknown>]
+  >([
+    [
+      'a clone whose source was expanded since',
+      'volume',
+      (w, src) =>
+        w.volumes.update(src, 'test', async (m) => {
+          await fs.truncate(w.volumes.imagePath(src), 128 * MiB);
+          return { ...m, capacityBytes: 128 * MiB };
+        }),
+    ],
+    [
+      'a clone whose source a pod has written raw data to since',
+      'volume',
+      async (w, src) => {
+        await w.volumes.markInitialized(src, 'node n1 (raw block)', 512);
+        const h = await fs.open(w.volumes.imagePath(src), 'r+');
+        await h.write(Buffer.alloc(MiB, 0x5a), 0, MiB, 64 * 1024);
+        await h.close();
+      },
+    ],
+    ['a restore whose snapshot was deleted since', 'snapshot', (w, _src, snap) => w.DeleteSnapshot(snap)],
+  ])('%s answers OK with the volume it made', async (_what, source, change) => {
+    expect(await retried(change, source)).toEqual({ same: true, again: 'OK' });
+  });
+});
+
 describe('a group snapshot whose freeze ended before its copy did', () => {
   it('fails, and no member is ever listed as ready, then or after', async () => {
     const w = await controllerWorld();
