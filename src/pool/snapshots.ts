@@ -60,7 +60,26 @@ export class SnapshotStore {
 
   async get(id: string): Promise<SnapshotMeta | undefined> {
     const meta = await this.read(id);
-    return meta?.state === 'ready' ? meta : undefined;
+    return meta && (await this.complete(meta)) ? meta : undefined;
+  }
+
+  /**
+   * Whether a snapshot is complete: ready, and for a group's member, its group not unfinished. Members
+   * are marked ready one by one before their group; a crash between them leaves members of a group no
+   * CO was told of, which must not be listed or restored as snapshots of their own. `groups` caches
+   * the groups' states for one listing.
+   */
+  private async complete(meta: SnapshotMeta, groups = new Map<string, Promise<boolean>>()): Promise<boolean> {
+    if (meta.state !== 'ready') return false;
+    if (!meta.groupSnapshotId) return true;
+    let unfinished = groups.get(meta.groupSnapshotId);
+    if (!unfinished) {
+      unfinished = this.inspectGroup(meta.groupSnapshotId).then(
+        (r) => r.state === 'ok' && r.value.state !== 'ready',
+      );
+      groups.set(meta.groupSnapshotId, unfinished);
+    }
+    return !(await unfinished);
   }
 
   /**
@@ -199,13 +218,14 @@ export class SnapshotStore {
     if (i < 0) i = ids.length;
     const limit = max > 0 ? max : Number.POSITIVE_INFINITY;
     const snapshots: SnapshotMeta[] = [];
+    const groups = new Map<string, Promise<boolean>>();
     while (snapshots.length < limit && i < ids.length) {
       const batch = ids.slice(i, i + LIST_BATCH);
       let used = 0;
       for (const r of await Promise.all(batch.map((id) => this.inspect(id)))) {
         used++;
-        const meta = r.state === 'ok' && r.value.state === 'ready' ? r.value : undefined;
-        if (meta && filter(meta)) {
+        const meta = r.state === 'ok' ? r.value : undefined;
+        if (meta && (await this.complete(meta, groups)) && filter(meta)) {
           snapshots.push(meta);
           if (snapshots.length >= limit) break;
         }

@@ -265,6 +265,29 @@ function losableGroupLock(w: ControllerWorld, groupId: string, lost: AbortContro
   };
 }
 
+describe('a group snapshot whose record was not written ready (killed after its members were)', () => {
+  it('lists and restores none of its members, and its retry makes it whole', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('ga'));
+    const b = volumeIdOf(await w.CreateVolume('gb'));
+    const made = (await w.CreateVolumeGroupSnapshot('g', [a, b])).group_snapshot;
+    const members = (made?.snapshots ?? []).map((s) => s.snapshot_id).sort();
+    const file = w.pool.layout.groupMeta(made?.group_snapshot_id ?? '');
+    const group = JSON.parse(await fs.readFile(file, 'utf8')) as Record<string, unknown>;
+    await fs.writeFile(file, JSON.stringify({ ...group, state: 'creating' }));
+    const listed = (await w.snapshots.list(undefined, 0, () => true)).snapshots.map((s) => s.id);
+    const restore = await codeOf(w.CreateVolume('restored', { source: fromSnapshot(members[0] ?? '') }));
+    const again = (await w.CreateVolumeGroupSnapshot('g', [a, b])).group_snapshot;
+    const after = (await w.snapshots.list(undefined, 0, () => true)).snapshots.map((s) => s.id).sort();
+    expect({ listed, restore, ready: again?.ready_to_use, after }).toEqual({
+      listed: [],
+      restore: 'NOT_FOUND',
+      ready: true,
+      after: members,
+    });
+  });
+});
+
 describe('a group snapshot and the names and locks it shares with others', () => {
   it("never takes, nor deletes, a user's snapshot named as one of its members", async () => {
     const w = await controllerWorld();
