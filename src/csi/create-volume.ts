@@ -261,7 +261,15 @@ export function createVolumeMethod(
         };
         if (v.source?.kind === 'snapshot' && sourceSnapshot) {
           // Held while it is read: a DeleteSnapshot meanwhile waits (or is ABORTED), never tears the copy.
-          await snapshots.holding(sourceSnapshot.id, 'restore', async (_snap, lock) => {
+          const decided = sourceSnapshot;
+          await snapshots.holding(decided.id, 'restore', async (held, lock) => {
+            // The snapshot read before its lock is the one copied: not one deleted and made again under
+            // the same name (by another controller) meanwhile, whose size and content were not decided on.
+            if (held.createdAt !== decided.createdAt || held.sourceVolumeId !== decided.sourceVolumeId) {
+              throw busy(
+                `Snapshot ${decided.id} was replaced while this restore of it waited for it; retry.`,
+              );
+            }
             const res = await copyImage(ctx, snapshots.imagePath(v.source?.id ?? ''), image, {
               allowCopy: true,
               signal: lock.signal,

@@ -11,6 +11,7 @@ import type { GroupSnapshotMeta, SnapshotMeta, VolumeMeta } from '../pool/types.
 import type { SnapshotStore } from '../pool/snapshots.js';
 import { method, type Methods } from '../server/call.js';
 import { type CopyDeps, withConsistentSources } from './consistency.js';
+import { sameStrings } from './create-volume.js';
 import { parseSnapshotParameters } from './snapshots.js';
 import { snapshotMessage, timestamp } from './messages.js';
 import { requireField } from './validate.js';
@@ -87,6 +88,11 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
             if (!sameSet(existing.sourceVolumeIds, v.sources)) {
               throw alreadyExists(
                 `A group snapshot named ${JSON.stringify(v.name)} already exists, of other volumes.`,
+              );
+            }
+            if (!sameStrings(existing.parameters, v.parameters)) {
+              throw alreadyExists(
+                `A group snapshot named ${JSON.stringify(v.name)} already exists, with other parameters.`,
               );
             }
             return { group_snapshot: await groupMessage(existing) };

@@ -134,9 +134,10 @@ export async function controllerWorld({ under = os.tmpdir(), overcommitRatio = 1
     CreateVolumeGroupSnapshot: (
       name: string,
       sourceVolumeIds: string[],
+      parameters: Record<string, string> = {},
     ): Promise<CreateVolumeGroupSnapshotResponse> =>
       must(groups.CreateVolumeGroupSnapshot)
-        .prepare({ name, source_volume_ids: sourceVolumeIds, parameters: {}, secrets: {} })
+        .prepare({ name, source_volume_ids: sourceVolumeIds, parameters, secrets: {} })
         .run(ctx('CreateVolumeGroupSnapshot')),
   };
 }

@@ -119,6 +119,28 @@ describe('a copy of a volume whose first stage happens while the copy waits for 
   });
 });
 
+describe("a restore whose snapshot is replaced while it waits for the snapshot's lock", () => {
+  it('is not made from the other snapshot: ABORTED, so that a retry decides again', async () => {
+    const w = await controllerWorld();
+    const src = volumeIdOf(await w.CreateVolume('src'));
+    const other = volumeIdOf(await w.CreateVolume('other'));
+    const snap = (await w.CreateSnapshot('snap', src)).snapshot?.snapshot_id ?? '';
+    const file = w.pool.layout.snapshotMeta(snap);
+    const code = await whileItWaits(
+      w,
+      snap,
+      () => w.CreateVolume('restored', { source: fromSnapshot(snap) }),
+      // Another controller deleted it and made a snapshot of the same name, of another volume.
+      async () => {
+        const meta = JSON.parse(await fs.readFile(file, 'utf8')) as Record<string, unknown>;
+        const later = new Date(Date.now() + 1000).toISOString();
+        await fs.writeFile(file, JSON.stringify({ ...meta, sourceVolumeId: other, createdAt: later }));
+      },
+    );
+    expect(code).toBe('ABORTED');
+  });
+});
+
 describe('a retried CreateVolume from a source', () => {
   // The provisioner retries a slow copy whose call it timed out; the volume was made meanwhile.
   const retried = async (
@@ -289,6 +311,19 @@ describe('a group snapshot whose record was not written ready (killed after its 
 });
 
 describe('a group snapshot and the names and locks it shares with others', () => {
+  it('answers ALREADY_EXISTS to the same name with other parameters (spec), OK to the same ones', async () => {
+    const w = await controllerWorld();
+    const a = volumeIdOf(await w.CreateVolume('pa'));
+    const meta = { 'csi.storage.k8s.io/volumegroupsnapshot/name': 'one' };
+    await w.CreateVolumeGroupSnapshot('g', [a], meta);
+    expect({
+      same: await codeOf(w.CreateVolumeGroupSnapshot('g', [a], meta)),
+      other: await codeOf(
+        w.CreateVolumeGroupSnapshot('g', [a], { 'csi.storage.k8s.io/volumegroupsnapshot/name': 'two' }),
+      ),
+    }).toEqual({ same: 'OK', other: 'ALREADY_EXISTS' });
+  });
+
   it("never takes, nor deletes, a user's snapshot named as one of its members", async () => {
     const w = await controllerWorld();
     const a = volumeIdOf(await w.CreateVolume('ga', { caps: [mountCapability()] }));
