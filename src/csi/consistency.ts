@@ -220,6 +220,13 @@ async function copyHeld<T>(
             );
           });
           copiesEnded = Math.max(copiesEnded, performance.now());
+          // A first NodeStageVolume takes no lock of the pool's to mark a volume initialized: one that
+          // did so during the copy may have data in it. Recorded so (a copy never formatted over).
+          const held = sources.get(volumeId);
+          if (held && !held.initialized) {
+            const now = await d.volumes.initialization(volumeId);
+            if (now) Object.assign(held, { initialized: true, sectorSize: now.sectorSize });
+          }
           if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
           // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
           if (result.method === 'reflink') await d.volumes.markShared(volumeId, await allocatedBytes(dst));

@@ -4,7 +4,7 @@
  * what they find under the locks is what counts. In-process, on a real pool (cp and blkid on files).
  */
 import fs from 'node:fs/promises';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
 import { busy } from '../../src/errors.js';
 import { groupSnapshotIdForName } from '../../src/pool/ids.js';
 import type { HeldLock } from '../../src/pool/lock.js';
@@ -191,6 +191,43 @@ describe('a retried CreateVolume from a source', () => {
     ['a restore whose snapshot was deleted since', 'snapshot', (w, _src, snap) => w.DeleteSnapshot(snap)],
   ])('%s answers OK with the volume it made', async (_what, source, change) => {
     expect(await retried(change, source)).toEqual({ same: true, again: 'OK' });
+  });
+});
+
+describe('a copy of a volume whose first stage marks it initialized while the copy runs', () => {
+  // The stage takes no pool lock of the volume's to write the marker: the copy read "never
+  // initialized" under its lock, then the pod's data may have reached the copy.
+  const markedDuring = async (before: number, copy: (w: ControllerWorld, id: string) => Promise<string>) => {
+    const w = await controllerWorld();
+    const id = volumeIdOf(await w.CreateVolume('src'));
+    await w.volumes.markInitialized(id, 'node n1 (raw block)', 4096);
+    const real = w.volumes.initialization.bind(w.volumes);
+    let calls = 0;
+    const spy = vi
+      .spyOn(w.volumes, 'initialization')
+      .mockImplementation((v) => (v === id && calls++ < before ? Promise.resolve(undefined) : real(v)));
+    try {
+      return await copy(w, id);
+    } finally {
+      spy.mockRestore();
+    }
+  };
+
+  it('a snapshot records it initialized, with its sector size', async () => {
+    const recorded = await markedDuring(1, async (w, id) => {
+      const snap = (await w.CreateSnapshot('snap', id)).snapshot?.snapshot_id ?? '';
+      const meta = await w.snapshots.get(snap);
+      return `${String(meta?.initialized)} ${String(meta?.sectorSize)}`;
+    });
+    expect(recorded).toBe('true 4096');
+  });
+
+  it('a clone records it initialized, with its sector size', async () => {
+    const recorded = await markedDuring(2, async (w, id) => {
+      const clone = volumeIdOf(await w.CreateVolume('clone', { source: fromVolume(id) }));
+      return JSON.stringify(await w.volumes.initialization(clone));
+    });
+    expect(recorded).toBe('{"sectorSize":4096}');
   });
 });
 
