@@ -89,15 +89,22 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
       `${r.volumePath} holds ${fsType}, which this driver does not grow (it knows ${FS_TYPES.join(', ')}).`,
     );
   }
+  let at = p;
   if (isReadOnlyMount(top)) {
     const fsSize = await d.host.mountedFilesystemSize(x, fsType, loop.path, p);
     if (fsSize !== undefined && !mustGrow(fsSize, size)) return size;
-    throw conflict(
-      `Volume ${r.id} is mounted read-only here; its filesystem will be grown when it is next staged read-write.`,
+    // A pod's read-only bind of a filesystem staged read-write: grown through the read-write mount.
+    const rw = on.mounts.find(
+      (m) => !isDeviceBind(m) && !isReadOnlyMount(m) && loopOfMount(m, [loop]) !== undefined,
     );
+    if (!rw)
+      throw conflict(
+        `Volume ${r.id} is mounted read-only here; its filesystem will be grown when it is next staged read-write.`,
+      );
+    at = rw.mountPoint;
   }
   try {
-    await growMounted(d, x, fsType, { ...loop, sizeBytes: size }, p);
+    await growMounted(d, x, fsType, { ...loop, sizeBytes: size }, at);
   } catch (err) {
     if (err instanceof OnlineGrowthUnsupported) {
       throw conflict(

@@ -920,6 +920,22 @@ describe('NodeExpandVolume', () => {
     expect({ code, grew: ops.filter((op) => op.startsWith('grow')) }).toEqual({ code: 'OK', grew: [] });
   });
 
+  it('grows a filesystem a pod has read-only through its read-write staging mount', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id, undefined, true);
+    await fs.truncate(image, 2 * SIZE);
+    const { code, ops } = await during(w, () =>
+      expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 2 * SIZE, limitBytes: 0 }),
+    );
+    expect({ code, ops, size: (await w.host.usage(TARGET)).totalBytes }).toEqual({
+      code: 'OK',
+      ops: ['refresh loop0', 'grow-online ext4 /dev/loop0'],
+      size: 2 * SIZE,
+    });
+  });
+
   it('refuses a limit below the image without growing a raw block device (its refresh is the growth)', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
