@@ -13,7 +13,7 @@
  *    Otherwise FAILED_PRECONDITION says why and what to do.
  * Every source of a group is frozen before the first clone and thawed after the last.
  */
-import { conflict, missing } from '../errors.js';
+import { busy, conflict, missing } from '../errors.js';
 import { CommandError, detached } from '../exec/runner.js';
 import { isNodeId } from '../pool/ids.js';
 import { type CopyResult, allocatedBytes, copyImage } from '../pool/images.js';
@@ -221,12 +221,11 @@ async function copyHeld<T>(
           });
           copiesEnded = Math.max(copiesEnded, performance.now());
           // A first NodeStageVolume takes no lock of the pool's to mark a volume initialized: one that
-          // did so during the copy may have data in it. Recorded so (a copy never formatted over).
-          const held = sources.get(volumeId);
-          if (held && !held.initialized) {
-            const now = await d.volumes.initialization(volumeId);
-            if (now) Object.assign(held, { initialized: true, sectorSize: now.sectorSize });
-          }
+          // did so during the copy may have put data, or half a filesystem (a read-only stage formats
+          // unfrozen), in it. Neither "blank" nor "initialized" would be true of the copy: the retry
+          // decides again.
+          if (sources.get(volumeId)?.initialized === false && (await d.volumes.initialization(volumeId)))
+            throw busy(`Volume ${volumeId} was staged for the first time while it was copied; retry.`);
           if (result.method === 'sparse-copy') d.pool.fs.recordCopy(result.bytes, result.seconds);
           // What the copy shares with the source must be copied when the source rewrites it (capacity.ts).
           if (result.method === 'reflink') await d.volumes.markShared(volumeId, await allocatedBytes(dst));

@@ -255,9 +255,8 @@ export function createVolumeMethod(
       const preallocated = v.allocation === 'preallocate';
       const fill = async (image: string): Promise<FillResult> => {
         // Its blocks are shared with its source (a reflink); the sector size the source's data was written on.
-        const copied: { shared: boolean; initialized: boolean; sectorSize?: number } = {
+        const copied: { shared: boolean; sectorSize?: number } = {
           shared: false,
-          initialized: sourceInitialized,
           sectorSize: sourceSnapshot?.sectorSize,
         };
         if (v.source?.kind === 'snapshot' && sourceSnapshot) {
@@ -296,8 +295,6 @@ export function createVolumeMethod(
               );
             }
             copied.shared = (await plan.copy(id, image)).method === 'reflink';
-            // Initialized during the copy (its first stage): the clone may hold its data.
-            copied.initialized = held.initialized;
             copied.sectorSize = held.sectorSize;
           });
         } else {
@@ -311,7 +308,7 @@ export function createVolumeMethod(
         await growImage(ctx, image, size, false);
         if (preallocated) await preallocate(ctx, image, 0, size);
         return {
-          initialized: copied.initialized,
+          initialized: sourceInitialized,
           sectorSize: copied.sectorSize,
           ...(sharedBytes ? { sharedBytes } : {}),
         };

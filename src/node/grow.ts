@@ -94,8 +94,15 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
     const fsSize = await d.host.mountedFilesystemSize(x, fsType, loop.path, p);
     if (fsSize !== undefined && !mustGrow(fsSize, size)) return size;
     // A pod's read-only bind of a filesystem staged read-write: grown through the read-write mount.
+    // The top mount at its path (statfs and the grow tools see that one), writable by its own flags
+    // and its filesystem's.
     const rw = on.mounts.find(
-      (m) => !isDeviceBind(m) && !isReadOnlyMount(m) && loopOfMount(m, [loop]) !== undefined,
+      (m, i) =>
+        !isDeviceBind(m) &&
+        !isReadOnlyMount(m) &&
+        !m.superOptions.includes('ro') &&
+        loopOfMount(m, [loop]) !== undefined &&
+        !on.mounts.slice(i + 1).some((above) => above.mountPoint === m.mountPoint),
     );
     if (!rw)
       throw conflict(

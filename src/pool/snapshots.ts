@@ -225,7 +225,7 @@ export class SnapshotStore {
       for (const r of await Promise.all(batch.map((id) => this.inspect(id)))) {
         used++;
         const meta = r.state === 'ok' ? r.value : undefined;
-        if (meta && (await this.complete(meta, groups)) && filter(meta)) {
+        if (meta && filter(meta) && (await this.complete(meta, groups))) {
           snapshots.push(meta);
           if (snapshots.length >= limit) break;
         }
