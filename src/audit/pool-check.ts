@@ -81,7 +81,9 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           subject: r.dir,
           volumeId: r.id,
           detail: `${r.what} ${r.id} (${r.record.value.name}) was never finished (its record says "creating")${r.partial ? ', with a partial image' : ''}`,
-          action: `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
+          action: r.group
+            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it.`
+            : `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
         });
       }
     } else if (!r.image) {
@@ -152,6 +154,14 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
   }
 
   for (const g of inv.groups) {
+    if (g.record.state === 'ok' && g.record.value.state !== 'ready' && !locked.has(g.id)) {
+      add({
+        kind: 'unfinished-creation',
+        subject: `groups/${g.id}`,
+        detail: `group snapshot ${g.id} (${g.record.value.name}) was never finished (its record says "creating"); its ${g.record.value.snapshotIds.length} member snapshots are neither listed nor restorable, and hold their space`,
+        action: `Nothing was ever returned for it: a retry of CreateVolumeGroupSnapshot (the CO retries) makes it whole, or a DeleteVolumeGroupSnapshot of ${g.id} removes it with its members.`,
+      });
+    }
     if (g.record.state === 'damaged') {
       add({
         kind: 'damaged-record',

@@ -19,7 +19,7 @@ import { table } from '../../src/cli/common.js';
 import type { LoopDevice, MountEntry } from '../../src/host/host.js';
 import { Metrics } from '../../src/metrics.js';
 import { Pool } from '../../src/pool/pool.js';
-import type { Lease, SnapshotMeta, VolumeMeta } from '../../src/pool/types.js';
+import type { GroupSnapshotMeta, Lease, SnapshotMeta, VolumeMeta } from '../../src/pool/types.js';
 import { FakeHost } from '../helpers/fake-host.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
 
@@ -224,6 +224,34 @@ describe('poolFindings', () => {
     });
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation snap-left',
+    ]);
+  });
+  it('reports a group snapshot never finished (its members hidden), not one at work', () => {
+    const inv = emptyInventory();
+    const group = (id: string, state: string) => ({
+      id,
+      record: {
+        state: 'ok' as const,
+        value: { id, name: id, state, snapshotIds: ['snap-a', 'snap-b'] } as unknown as GroupSnapshotMeta,
+      },
+    });
+    inv.groups.push(
+      group('group-left', 'creating'),
+      group('group-busy', 'creating'),
+      group('group-done', 'ready'),
+    );
+    inv.locks.push({
+      key: 'group-busy',
+      file: '/p/locks/group-busy.lock',
+      holder: 'process 1 on h',
+      purpose: 'CreateVolumeGroupSnapshot',
+      role: undefined,
+      host: 'h',
+      ageSeconds: 1,
+      gone: undefined,
+    });
+    expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.subject}`)).toEqual([
+      'unfinished-creation groups/group-left',
     ]);
   });
   it("removes only locks of holders proven gone; reports unrenewed ones; removes old trash of the driver's names", () => {
