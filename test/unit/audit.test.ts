@@ -150,6 +150,18 @@ const emptyInventory = (): Inventory => ({
   locks: [],
 });
 
+/** A lock a live process holds right now (a call at work). */
+const heldLock = (key: string, purpose: string): Inventory['locks'][number] => ({
+  key,
+  file: `/p/locks/${key}.lock`,
+  holder: 'process 1 on h',
+  purpose,
+  role: undefined,
+  host: 'h',
+  ageSeconds: 1,
+  gone: undefined,
+});
+
 describe('poolFindings', () => {
   const opts = { trashAgeSeconds: 3600, lockStaleSeconds: 120 };
   it('reports holds of silent nodes, not of live ones', () => {
@@ -184,16 +196,7 @@ describe('poolFindings', () => {
       value: { state: 'creating', name: 'n' } as unknown as VolumeMeta,
     };
     inv.volumes.push(volume('vol-busy', { record: creating }), volume('vol-left', { record: creating }));
-    inv.locks.push({
-      key: 'vol-busy',
-      file: '/p/locks/vol-busy.lock',
-      holder: 'process 1 on h',
-      purpose: 'CreateVolume',
-      role: undefined,
-      host: 'h',
-      ageSeconds: 1,
-      gone: undefined,
-    });
+    inv.locks.push(heldLock('vol-busy', 'CreateVolume'));
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation vol-left',
     ]);
@@ -212,16 +215,7 @@ describe('poolFindings', () => {
       partial: false,
     });
     inv.snapshots.push(snapshot('snap-busy', 'group-at-work'), snapshot('snap-left', 'group-gone'));
-    inv.locks.push({
-      key: 'group-at-work',
-      file: '/p/locks/group-at-work.lock',
-      holder: 'process 1 on h',
-      purpose: 'CreateVolumeGroupSnapshot',
-      role: undefined,
-      host: 'h',
-      ageSeconds: 1,
-      gone: undefined,
-    });
+    inv.locks.push(heldLock('group-at-work', 'CreateVolumeGroupSnapshot'));
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation snap-left',
     ]);
@@ -240,16 +234,7 @@ describe('poolFindings', () => {
       group('group-busy', 'creating'),
       group('group-done', 'ready'),
     );
-    inv.locks.push({
-      key: 'group-busy',
-      file: '/p/locks/group-busy.lock',
-      holder: 'process 1 on h',
-      purpose: 'CreateVolumeGroupSnapshot',
-      role: undefined,
-      host: 'h',
-      ageSeconds: 1,
-      gone: undefined,
-    });
+    inv.locks.push(heldLock('group-busy', 'CreateVolumeGroupSnapshot'));
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.subject}`)).toEqual([
       'unfinished-creation groups/group-left',
     ]);
