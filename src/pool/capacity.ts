@@ -222,11 +222,14 @@ export class Capacity {
     this.shared.delete(id);
   }
 
-  /** Reads the filesystem, then computes synchronously so concurrent reservations see each other. */
-  private async measure(anyAge = false): Promise<() => CapacityReport> {
+  /**
+   * Reads the filesystem, then computes synchronously so concurrent reservations see each other.
+   * `ownPromise`: a volume's own promise, left out of what preallocated room must keep for the others.
+   */
+  private async measure(anyAge = false): Promise<(ownPromise?: number) => CapacityReport> {
     const st = await fs.statfs(this.layout.root);
     const scanned = (await this.scanned(anyAge)).promised;
-    return () => {
+    return (ownPromise = 0) => {
       const totalBytes = st.blocks * st.bsize;
       const freeBytes = st.bavail * st.bsize;
       const free = freeBytes - this.pendingBlocks;
@@ -235,7 +238,8 @@ export class Capacity {
         scanned + this.adjustments.reduce((sum, a) => sum + a.bytes, 0) + this.pendingPromise,
       );
       const availableBytes = Math.max(0, Math.floor(this.ratio * free - promisedBytes));
-      const availablePreallocatedBytes = Math.max(0, Math.floor(free - promisedBytes / this.ratio));
+      const others = Math.max(0, promisedBytes - ownPromise);
+      const availablePreallocatedBytes = Math.max(0, Math.floor(free - others / this.ratio));
       return { totalBytes, freeBytes, promisedBytes, availableBytes, availablePreallocatedBytes };
     };
   }
@@ -257,14 +261,8 @@ export class Capacity {
     what: string,
     { id, anyAge = false, promised = 0 }: { id?: string; anyAge?: boolean; promised?: number } = {},
   ): Promise<(promisedAfter: number | undefined) => void> {
-    const report = (await this.measure(anyAge))();
-    const others = Math.max(0, report.promisedBytes - promised);
-    const room =
-      kind === 'sparse'
-        ? report.availableBytes
-        : promised > 0
-          ? Math.max(0, Math.floor(report.freeBytes - this.pendingBlocks - others / this.ratio))
-          : report.availablePreallocatedBytes;
+    const report = (await this.measure(anyAge))(promised);
+    const room = kind === 'sparse' ? report.availableBytes : report.availablePreallocatedBytes;
     if (bytes > room) {
       throw noSpace(
         `The pool has room for ${formatBytes(room)}${kind === 'preallocate' ? ' preallocated' : ''}, not enough for ${what} of ${formatBytes(bytes)}.`,

@@ -30,7 +30,8 @@ export async function openImage(file: string, write = false): Promise<FileHandle
   try {
     handle = await fs.open(file, flags);
   } catch (err) {
-    if (errnoCode(err) === 'ELOOP') throw notAnImage(file);
+    // A symlink (ELOOP), or a socket (ENXIO), in its place.
+    if (errnoCode(err) === 'ELOOP' || errnoCode(err) === 'ENXIO') throw notAnImage(file);
     throw err;
   }
   try {

@@ -11,11 +11,10 @@
  * Delete: one rename moves the directory into the trash (the volume is gone at that instant, for every
  * process), then the files are removed. A crash in between leaves only trash, swept at the next start.
  */
-import { constants } from 'node:fs';
 import fs, { type FileHandle } from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { failpoint } from '../failpoints.js';
-import { conflict, errnoCode, missing } from '../errors.js';
+import { conflict, DomainError, errnoCode, missing } from '../errors.js';
 import type { Capacity } from './capacity.js';
 import {
   createExclusive,
@@ -29,14 +28,15 @@ import {
 } from './fsutil.js';
 import { VolumeFences } from './fences.js';
 import { isVolumeId } from './ids.js';
-import { allocatedBytes } from './images.js';
+import { allocatedBytes, openImage } from './images.js';
 import type { NodeRegistry } from './nodes.js';
 import type { HeldLock } from './lock.js';
 import { damagedRecord, type Pool } from './pool.js';
 import { isSectorSize, type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
 
 const LIST_BATCH = 256;
-const { O_RDONLY, O_NOFOLLOW, O_NONBLOCK } = constants;
+/** An `initialized` marker is a few dozen bytes; what is read of one at most. */
+const MARKER_MAX = 4096;
 
 const json = (v: unknown): string => `${JSON.stringify(v, null, 2)}\n`;
 
@@ -238,9 +238,15 @@ export class VolumeStore extends VolumeFences {
     return { volumes, next: i < ids.length && last ? last.id : undefined };
   }
 
-  /** Whether the volume was ever formatted or written raw; never "no" for a pool that is not there. */
+  /**
+   * Whether the volume was ever formatted or written raw; never "no" for a pool that is not there.
+   * Anything in the marker's place says "initialized" (as `initialization` reads it too): one lstat,
+   * on the path of every filesystem stage.
+   */
   async isInitialized(id: string): Promise<boolean> {
-    return (await this.initialization(id)) !== undefined;
+    if (await exists(this.layout.volumeInitialized(id))) return true;
+    await this.pool.assertPresent();
+    return false;
   }
 
   /**
@@ -251,22 +257,21 @@ export class VolumeStore extends VolumeFences {
   async initialization(id: string): Promise<Initialization | undefined> {
     let h: FileHandle;
     try {
-      // Never through a symlink, never blocking on a FIFO planted there (a shared pool).
-      h = await fs.open(this.layout.volumeInitialized(id), O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
+      // As an image is opened: never through a symlink, never blocking on a FIFO planted there.
+      h = await openImage(this.layout.volumeInitialized(id));
     } catch (err) {
-      const code = errnoCode(err);
-      if (code === 'ELOOP' || code === 'ENXIO') return {};
-      if (code !== 'ENOENT' && code !== 'ENOTDIR') throw err;
+      if (err instanceof DomainError && err.kind === 'unsafe') return {}; // not a regular file
+      if (errnoCode(err) !== 'ENOENT' && errnoCode(err) !== 'ENOTDIR') throw err;
       await this.pool.assertPresent();
       return undefined;
     }
     try {
-      const st = await h.stat();
-      if (!st.isFile() || st.size > 4096) return {};
-      const v = JSON.parse(await h.readFile('utf8')) as unknown;
+      const buf = Buffer.alloc(MARKER_MAX);
+      const { bytesRead } = await h.read(buf, 0, MARKER_MAX, 0);
+      const v = JSON.parse(buf.toString('utf8', 0, bytesRead)) as unknown;
       return isRecord(v) && isSectorSize(v.sectorSize) ? { sectorSize: v.sectorSize } : {};
     } catch (err) {
-      if (err instanceof SyntaxError) return {};
+      if (err instanceof SyntaxError) return {}; // damaged, or larger than a marker is
       throw err;
     } finally {
       await h.close();
