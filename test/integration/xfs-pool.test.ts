@@ -13,7 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf } from '../helpers/grpc.js';
 import { isRoot, MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
-import { createVolume, publish, stage } from '../helpers/volumes.js';
+import { createVolume, publish, stage, teardown } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const sh = (cmd: string, args: string[]): string => execFileSync(cmd, args, { encoding: 'utf8' });
@@ -25,12 +25,8 @@ const directRead512 = (device: string): string => {
     });
     return 'OK';
   } catch (err) {
-    return (
-      String((err as { stderr?: Buffer }).stderr ?? err)
-        .trim()
-        .split('\n')
-        .at(-1) ?? 'failed'
-    );
+    // dd's first line names the error (its last is the byte count).
+    return String((err as { stderr?: Buffer }).stderr ?? err).split('\n')[0] ?? 'failed';
   }
 };
 afterAll(async () => {
@@ -52,10 +48,7 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     const src = await createVolume(d, 'xfs-src', cap, 320 * MiB);
     const st = (n: string) => path.join(base, `st-${n}`);
     const tg = (n: string) => path.join(base, 'pods', n, 'mount');
-    const down = async (id: string, n: string) => {
-      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg(n) });
-      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st(n) });
-    };
+    const down = (id: string, n: string) => teardown(d, id, st(n), tg(n));
     await stage(d, src.id, st('src'), cap);
     await publish(d, src.id, st('src'), tg('src'), cap);
     const sum = await writeRandom(path.join(tg('src'), 'data.bin'), 16, 5);
@@ -119,10 +112,7 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     await publish(d, src.id, st('src'), tg('src'), cap);
     const first = sh('blockdev', ['--getss', tg('src')]).trim();
     const sum = await writeRandom(tg('src'), 8, 11);
-    const down = async (id: string, n: string) => {
-      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg(n) });
-      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st(n) });
-    };
+    const down = (id: string, n: string) => teardown(d, id, st(n), tg(n));
     await down(src.id, 'src');
     const snap = await d.clients.controller.CreateSnapshot({ name: 'raw-snap', source_volume_id: src.id });
     const from = (name: string, source: object) =>
@@ -179,8 +169,7 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     await stage(d, src.id, st('src'), raw);
     await publish(d, src.id, st('src'), tg('src'), raw);
     sh('mkfs.ext4', ['-q', '-b', '1024', tg('src')]);
-    await d.clients.node.NodeUnpublishVolume({ volume_id: src.id, target_path: tg('src') });
-    await d.clients.node.NodeUnstageVolume({ volume_id: src.id, staging_target_path: st('src') });
+    await teardown(d, src.id, st('src'), tg('src'));
     const snap = await d.clients.controller.CreateSnapshot({
       name: 'pod-ext4-snap',
       source_volume_id: src.id,
