@@ -1,7 +1,7 @@
 /**
  * The format of volumes/<id>/fences.json, and pure changes to it.
  */
-import { isRecord } from './fsutil.js';
+import { isRecord, type RecordRead } from './fsutil.js';
 import { type Attachment, type Lease, parseAttachment, parseLease } from './types.js';
 
 /**
@@ -21,6 +21,12 @@ export interface FenceFile {
    */
   detached: Record<string, string>;
 }
+
+/**
+ * The fence file as read once by code holding the volume's lock (nobody else changes it meanwhile):
+ * passed on as `read` instead of reading it again.
+ */
+export type FenceRead = RecordRead<FenceFile>;
 
 export const without = <T>(r: Record<string, T>, keys: ReadonlySet<string>): Record<string, T> =>
   Object.fromEntries(Object.entries(r).filter(([k]) => !keys.has(k)));
@@ -72,3 +78,18 @@ export function letGo(
   }
   return out;
 }
+
+/** What an attachment record that cannot be read stands for: a writer's. */
+export const unreadableAttachment = (node: string): Attachment => ({
+  node,
+  readonly: false,
+  accessType: 'mount',
+  mode: 'SINGLE_NODE_WRITER',
+  since: 'unknown (unreadable record)',
+});
+
+/** What a lease record that cannot be read stands for: a writer's. */
+export const unreadableLease = (node: string): Lease => ({
+  ...unreadableAttachment(node),
+  stagingPath: '',
+});

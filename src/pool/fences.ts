@@ -8,8 +8,17 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { conflict, mismatch, unsafe } from '../errors.js';
 import { NodeAdmission } from './node-admission.js';
-import { exists, listDir, readRecord, type RecordRead, removeFile, writeFilesAtomic } from './fsutil.js';
-import { describeAttachment, type FenceFile, letGo, parseFenceFile, without } from './fence-file.js';
+import { exists, listDir, readRecord, removeFile, writeFilesAtomic } from './fsutil.js';
+import {
+  describeAttachment,
+  type FenceFile,
+  type FenceRead,
+  letGo,
+  parseFenceFile,
+  unreadableAttachment,
+  unreadableLease,
+  without,
+} from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import type { NodeRegistry } from './nodes.js';
 import type { Pool } from './pool.js';
@@ -62,13 +71,13 @@ export abstract class VolumeFences {
   abstract mustGet(id: string): Promise<VolumeMeta>;
 
   /** The volume's fence file, as it is on disk. */
-  private async readFenceFile(id: string): Promise<RecordRead<FenceFile>> {
+  private async readFenceFile(id: string): Promise<FenceRead> {
     return readRecord(this.layout.volumeFences(id), parseFenceFile);
   }
 
   /** The fence file to change under its lock; a damaged one (maybe a node's only hold) is never overwritten. */
-  private async fenceFileForUpdate(id: string): Promise<FenceFile> {
-    const r = await this.readFenceFile(id);
+  private async fenceFileForUpdate(id: string, read?: FenceRead): Promise<FenceFile> {
+    const r = read ?? (await this.readFenceFile(id));
     if (r.state === 'damaged') {
       throw unsafe(
         `The fence record ${this.layout.volumeFences(id)} of volume ${id} cannot be read (${r.reason}); nothing was changed, an operator must repair it.`,
@@ -93,9 +102,10 @@ export abstract class VolumeFences {
     file: (node: string) => string,
     parse: (v: unknown) => T | undefined,
     unreadable: (node: string) => T,
+    read?: FenceRead,
   ): Promise<T[]> {
     const out = new Map<string, T>();
-    const f = await this.readFenceFile(id);
+    const f = read ?? (await this.readFenceFile(id));
     if (f.state === 'damaged') {
       this.log.error(
         { volumeId: id, reason: f.reason },
@@ -104,10 +114,9 @@ export abstract class VolumeFences {
       out.set('?', unreadable('unknown (fences.json unreadable)'));
     } else if (f.state === 'ok') {
       // A revoked lease still fences the volume until it is released (see released()).
-      if (kind === 'leases') {
-        for (const [node, v] of Object.entries(f.value.revoked)) out.set(node, v as unknown as T);
-      }
-      for (const [node, v] of Object.entries(f.value[kind])) out.set(node, v as unknown as T);
+      const revoked = kind === 'leases' ? Object.entries(f.value.revoked) : [];
+      for (const [node, v] of [...revoked, ...Object.entries(f.value[kind])])
+        out.set(node, v as unknown as T);
     }
     for (const name of (await listDir(dir)).filter((n) => n.endsWith('.json'))) {
       const node = name.slice(0, -'.json'.length);
@@ -126,20 +135,15 @@ export abstract class VolumeFences {
     return [...out.values()].sort((a, b) => (a.node < b.node ? -1 : a.node > b.node ? 1 : 0));
   }
 
-  async attachments(id: string): Promise<Attachment[]> {
+  async attachments(id: string, read?: FenceRead): Promise<Attachment[]> {
     return this.fenceRecords(
       id,
       'attachments',
       this.layout.attachmentsDir(id),
       (node) => this.layout.attachment(id, node),
       parseAttachment,
-      (node) => ({
-        node,
-        readonly: false,
-        accessType: 'mount',
-        mode: 'SINGLE_NODE_WRITER',
-        since: 'unknown (unreadable record)',
-      }),
+      unreadableAttachment,
+      read,
     );
   }
 
@@ -152,7 +156,8 @@ export abstract class VolumeFences {
     await this.admission.whenRepaired();
     return this.pool.withLock(id, 'ControllerPublishVolume', async () => {
       await this.mustGet(id);
-      const current = await this.attachments(id);
+      const file = await this.readFenceFile(id);
+      const current = await this.attachments(id, file);
       const same = current.find((a) => a.node === att.node);
       if (same) {
         if (same.readonly !== att.readonly || same.accessType !== att.accessType || same.mode !== att.mode) {
@@ -176,7 +181,7 @@ export abstract class VolumeFences {
         // Runs under the node's lock, after the volume is in the node's index: the next count must see
         // it (an index entry whose volume has no attachment is dropped when the node is at its limit).
         commit: async () => {
-          const f = await this.fenceFileForUpdate(id);
+          const f = await this.fenceFileForUpdate(id, file);
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).
           await fs.mkdir(this.layout.attachmentsDir(id), { recursive: true });
           const attachments = { ...f.attachments, [att.node]: att };
@@ -198,8 +203,9 @@ export abstract class VolumeFences {
     if (!isVolumeId(id)) return;
     await this.pool.withLock(id, 'ControllerUnpublishVolume', async () => {
       if (await this.isGone(id)) return;
-      const targets = node === undefined ? (await this.attachments(id)).map((a) => a.node) : [node];
-      const f = await this.fenceFileForUpdate(id);
+      const file = await this.readFenceFile(id);
+      const targets = node === undefined ? (await this.attachments(id, file)).map((a) => a.node) : [node];
+      const f = await this.fenceFileForUpdate(id, file);
       const gone = new Set(targets);
       // A node detached while it still has the volume staged (a force-detach: Kubernetes does it when a
       // node is unreachable) may still write to it. Its lease is revoked, not removed: other nodes stay
@@ -239,21 +245,15 @@ export abstract class VolumeFences {
     });
   }
 
-  async leases(id: string): Promise<Lease[]> {
+  async leases(id: string, read?: FenceRead): Promise<Lease[]> {
     return this.fenceRecords(
       id,
       'leases',
       this.layout.leasesDir(id),
       (node) => this.layout.lease(id, node),
       parseLease,
-      (node) => ({
-        node,
-        stagingPath: '',
-        accessType: 'mount',
-        mode: 'SINGLE_NODE_WRITER',
-        readonly: false,
-        since: 'unknown (unreadable record)',
-      }),
+      unreadableLease,
+      read,
     );
   }
 
@@ -269,12 +269,15 @@ export abstract class VolumeFences {
   ): Promise<Lease | undefined> {
     return this.pool.withLock(id, 'NodeStageVolume', async () => {
       await this.mustGet(id);
-      const all = await this.leases(id);
+      const file = await this.readFenceFile(id);
+      const all = await this.leases(id, file);
+      const attachedHere = async (): Promise<boolean> =>
+        (await this.attachments(id, file)).some((a) => a.node === lease.node);
       const shareable = (l: Lease): boolean => isMultiNode(l.mode) && l.readonly;
       const silent: string[] = [];
       for (const l of all) {
         if (l.node === lease.node) {
-          if (l.revokedAt !== undefined && !(await this.attachments(id)).some((a) => a.node === lease.node)) {
+          if (l.revokedAt !== undefined && !(await attachedHere())) {
             // A stage that raced the detach must not undo it: the CO publishes to this node again first.
             throw conflict(
               `Volume ${id} was detached from node ${lease.node} at ${l.revokedAt}; publish it to this node again first.`,
@@ -300,9 +303,8 @@ export abstract class VolumeFences {
       }
       const mine = all.find((l) => l.node === lease.node && l.revokedAt === undefined);
       // A first lease must not outrun a detach of its node (later detaches revoke); after others' holds.
-      const f = mine ? undefined : await this.readFenceFile(id);
-      const detachedAt = f?.state === 'ok' ? f.value.detached[lease.node] : undefined;
-      if (detachedAt !== undefined && !(await this.attachments(id)).some((a) => a.node === lease.node)) {
+      const detachedAt = !mine && file.state === 'ok' ? file.value.detached[lease.node] : undefined;
+      if (detachedAt !== undefined && !(await attachedHere())) {
         throw conflict(
           `Volume ${id} was detached from node ${lease.node} at ${detachedAt}; publish it to this node again first.`,
         );
@@ -319,7 +321,7 @@ export abstract class VolumeFences {
         (lease.bootId !== undefined && mine.bootId !== lease.bootId) ||
         (lease.mountFlags !== undefined && mine.mountFlags?.join('\0') !== lease.mountFlags.join('\0'));
       if (rewrite || silent.length > 0) {
-        const f = await this.fenceFileForUpdate(id);
+        const f = await this.fenceFileForUpdate(id, file);
         // A node let go for its silence stays let go, whatever its heartbeat does later.
         const seconds = Math.round(this.nodes.fenceMs / 1000);
         let revoked = letGo(f.revoked, silent, `seen silent for ${seconds} s by node ${lease.node}`);
@@ -350,12 +352,9 @@ export abstract class VolumeFences {
   async lease(id: string, node: string): Promise<Lease | undefined> {
     if (!isVolumeId(id)) return undefined;
     const f = await this.readFenceFile(id);
-    if (f.state === 'ok') {
-      if (node in f.value.revoked) return undefined; // taken away from this node
-      const inFile = f.value.leases[node];
-      if (inFile) return inFile;
-    }
-    return this.legacyLease(id, node);
+    if (f.state === 'ok' && node in f.value.revoked) return undefined; // taken away from this node
+    const inFile = f.state === 'ok' ? f.value.leases[node] : undefined;
+    return inFile ?? this.legacyLease(id, node);
   }
 
   /** A per-node lease file (written by a release before fences.json). */

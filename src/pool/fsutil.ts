@@ -90,7 +90,7 @@ export async function createExclusive(file: string, data: string, durable = true
     if (errnoCode(err) === 'EEXIST') return false;
     throw err;
   } finally {
-    await fs.rm(tmp, { force: true });
+    await removeFile(tmp); // one unlink (fs.rm would stat it twice first)
   }
   if (durable) await fsyncDir(path.dirname(file));
   return true;
