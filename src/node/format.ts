@@ -8,7 +8,7 @@
  * mkfs run under the volume's format lock, held across hosts, so two nodes staging a fresh volume at
  * once never both format it: the second one finds the marker and the filesystem, and keeps it.
  */
-import { unsafe } from '../errors.js';
+import { conflict, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import type { DeviceContent, LoopDevice } from '../host/host.js';
@@ -104,6 +104,34 @@ export async function prepareFilesystem(
       formatted: true,
     };
   });
+}
+
+/**
+ * The filesystem on a staging's device: the live one a reused device still holds (mounted again, never
+ * checked or formatted), or the one prepareFilesystem keeps or makes (`formatted` says which).
+ */
+export async function filesystemOn(
+  d: NodeDeps,
+  x: Exec,
+  vol: VolumeMeta,
+  cap: Capability,
+  loop: LoopDevice,
+  reused: boolean,
+  attach: (readOnly: boolean) => Promise<LoopDevice>,
+): Promise<{ live: boolean; fsType: FsType; loop: LoopDevice; formatted?: boolean }> {
+  // A reused device that a filesystem still holds, with no mount of it here: a superblock left alive
+  // (frozen when a pod went away during a snapshot, or mounted in a namespace that is gone). It is
+  // mounted again (the kernel hands back that superblock) and thawed, never checked or formatted.
+  if (reused && (await d.host.claimed(loop.path))) {
+    const content = await d.host.probe(x, loop.path);
+    if (content.kind !== 'filesystem' || (cap.fsType !== '' && content.type !== cap.fsType)) {
+      throw conflict(
+        `Volume ${vol.id} is held by an active filesystem on ${loop.path} that this request does not match.`,
+      );
+    }
+    return { live: true, fsType: content.type as FsType, loop };
+  }
+  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, attach)) };
 }
 
 /** Formats a blank device, attaching it read-write for the purpose when it is staged read-only. */

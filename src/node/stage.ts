@@ -17,7 +17,7 @@ import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
 import type { Initialization } from '../pool/volumes.js';
-import { prepareFilesystem } from './format.js';
+import { filesystemOn } from './format.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
   callerPath,
@@ -223,35 +223,28 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
 
     // The lease names the device (a hint, checked against /sys/block): for a raw block volume it is
     // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
-    await d.volumes.takeLease(r.id, { ...lease, device: loop.name });
+    const naming = d.volumes.takeLease(r.id, { ...lease, device: loop.name });
     if (r.cap.accessType === 'block') {
+      await naming;
       if (!recorded)
         await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`, await d.host.sectorSize(loop));
       checkpoint(x);
       return;
     }
 
-    // A reused device that a filesystem still holds, with no mount of it here: a superblock left alive
-    // (frozen when a pod went away during a snapshot, or mounted in a namespace that is gone). It is
-    // mounted again (the kernel hands back that superblock) and thawed, never checked or formatted.
-    const live = reused && (await d.host.claimed(loop.path));
-    let fsType: FsType;
-    let growAfterMount = false;
-    if (live) {
-      const content = await d.host.probe(x, loop.path);
-      if (content.kind !== 'filesystem' || (r.cap.fsType !== '' && content.type !== r.cap.fsType)) {
-        throw conflict(
-          `Volume ${r.id} is held by an active filesystem on ${loop.path} that this request does not match.`,
-        );
-      }
-      fsType = content.type as FsType;
-    } else {
-      const prepared = await prepareFilesystem(d, x, vol, r.cap, loop, attach);
-      loop = prepared.loop;
-      fsType = prepared.fsType;
-      if (!prepared.formatted && !readOnly)
-        growAfterMount = await checkAndGrowOffline(d, x, r.id, fsType, loop);
-    }
+    // A filesystem's device is looked at (and a blank one formatted) while that record is written: both
+    // end before the filesystem is checked, grown or mounted, so a crash at any point leaves what one
+    // between the attach and the record always could (a device the lease does not name, nothing mounted).
+    const [named, found] = await Promise.allSettled([
+      naming,
+      filesystemOn(d, x, vol, r.cap, loop, reused, attach),
+    ]);
+    if (named.status === 'rejected') throw named.reason;
+    if (found.status === 'rejected') throw found.reason;
+    const { live, fsType } = found.value;
+    loop = found.value.loop;
+    const growAfterMount =
+      found.value.formatted === false && !readOnly && (await checkAndGrowOffline(d, x, r.id, fsType, loop));
     await pausepoint('stage:formatted');
     checkpoint(x);
 

@@ -6,6 +6,7 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { conflict } from '../../src/errors.js';
 import { bindExec } from '../../src/exec/runner.js';
 import { OnlineGrowthUnsupported } from '../../src/host/filesystem.js';
 import { expandVolume } from '../../src/node/grow.js';
@@ -83,6 +84,26 @@ describe('NodeStageVolume', () => {
     ]);
     expect(await w.volumes.isInitialized(id)).toBe(true);
     expect(await w.volumes.lease(id, NODE)).toMatchObject({ stagingPath: STAGING, accessType: 'mount' });
+  });
+
+  it('mounts only once its lease names the device (written while the device is probed and formatted)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
+    w.d.volumes.takeLease = async (vid, lease, opts) => {
+      if (lease.device !== undefined) await new Promise((r) => setTimeout(r, 50));
+      return takeLease(vid, lease, opts);
+    };
+    const mount = w.host.mount.bind(w.host);
+    w.host.mount = async (cx, m) => {
+      w.host.ops.push(`lease names ${(await w.volumes.lease(id, NODE))?.device ?? 'nothing'}`);
+      await mount(cx, m);
+    };
+    await stage(w, id);
+    expect(w.host.ops.filter((o) => o.startsWith('lease') || o.startsWith('mount'))).toEqual([
+      'lease names loop0',
+      `mount ext4 /dev/loop0 ${STAGING}`,
+    ]);
   });
 
   it('answers a second stage from the mount table, touching nothing', async () => {
@@ -299,6 +320,35 @@ describe('a stage that fails undoes what it did', () => {
     expect(await codeOf(stage(w, id))).toBe('OK');
     expect(formats(w).filter((o) => !o.endsWith('(failed)')).length).toBeLessThanOrEqual(1);
     expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+
+  it("fails when its lease cannot name the device, once the device's format has ended, and undoes it all", async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    // The record naming the device is written while the device is formatted; here it is refused (the
+    // volume was detached from this node meanwhile) while mkfs still runs.
+    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
+    w.d.volumes.takeLease = async (vid, lease, opts) => {
+      if (lease.device === undefined) return takeLease(vid, lease, opts);
+      w.host.ops.push('lease refused');
+      throw conflict(`Volume ${vid} was detached from node ${NODE}; publish it to this node again first.`);
+    };
+    const format = w.host.format.bind(w.host);
+    w.host.format = async (cx, fsType, device) => {
+      await new Promise((r) => setTimeout(r, 50));
+      await format(cx, fsType, device);
+      w.host.ops.push('format ended');
+    };
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+    const ops = w.host.ops;
+    expect(ops.indexOf('lease refused')).toBeLessThan(ops.indexOf('format ended'));
+    // Nothing is detached, unmounted or mounted while mkfs runs on the device.
+    expect(ops.slice(ops.indexOf('format ended'))).toEqual(['format ended', 'detach loop0']);
+    expect(ops.some((o) => o.startsWith('mount '))).toBe(false);
+    await expectNothingLeft(w, id);
+    // What it formatted is recorded as such: the marker and the disk agree.
+    expect(w.host.content.get(image)?.kind).toBe('filesystem');
+    expect(await w.volumes.isInitialized(id)).toBe(true);
   });
 
   it('reports FAILED_PRECONDITION when mkfs finds a signature the probe missed, and marks nothing', async () => {
