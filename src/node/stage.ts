@@ -16,6 +16,7 @@ import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
+import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
@@ -235,16 +236,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     // A filesystem's device is looked at (and a blank one formatted) while that record is written: both
     // end before the filesystem is checked, grown or mounted, so a crash at any point leaves what one
     // between the attach and the record always could (a device the lease does not name, nothing mounted).
-    const [named, found] = await Promise.allSettled([
-      naming,
-      filesystemOn(d, x, vol, r.cap, loop, reused, attach),
-    ]);
-    if (named.status === 'rejected') throw named.reason;
-    if (found.status === 'rejected') throw found.reason;
-    const { live, fsType } = found.value;
-    loop = found.value.loop;
+    const [, found] = await sideBySide(naming, filesystemOn(d, x, vol, r.cap, loop, reused, attach));
+    const { live, fsType } = found;
+    loop = found.loop;
     const growAfterMount =
-      found.value.formatted === false && !readOnly && (await checkAndGrowOffline(d, x, r.id, fsType, loop));
+      found.formatted === false && !readOnly && (await checkAndGrowOffline(d, x, r.id, fsType, loop));
     await pausepoint('stage:formatted');
     checkpoint(x);
 

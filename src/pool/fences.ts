@@ -8,7 +8,7 @@ import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { conflict, mismatch, unsafe } from '../errors.js';
 import { NodeAdmission } from './node-admission.js';
-import { exists, listDir, readRecord, removeFile, writeFilesAtomic } from './fsutil.js';
+import { exists, listDir, readRecord, removeFile, sideBySide, writeFilesAtomic } from './fsutil.js';
 import {
   describeAttachment,
   type FenceFile,
@@ -105,7 +105,7 @@ export abstract class VolumeFences {
     read?: FenceRead,
   ): Promise<T[]> {
     const out = new Map<string, T>();
-    const f = read ?? (await this.readFenceFile(id));
+    const [f, names] = await sideBySide(read ? Promise.resolve(read) : this.readFenceFile(id), listDir(dir));
     if (f.state === 'damaged') {
       this.log.error(
         { volumeId: id, reason: f.reason },
@@ -118,7 +118,7 @@ export abstract class VolumeFences {
       for (const [node, v] of [...revoked, ...Object.entries(f.value[kind])])
         out.set(node, v as unknown as T);
     }
-    for (const name of (await listDir(dir)).filter((n) => n.endsWith('.json'))) {
+    for (const name of names.filter((n) => n.endsWith('.json'))) {
       const node = name.slice(0, -'.json'.length);
       if (!isNodeId(node) || out.has(node)) continue;
       const r = await readRecord(file(node), parse);
@@ -155,8 +155,7 @@ export abstract class VolumeFences {
   async publish(id: string, att: Attachment, maxVolumes: number): Promise<'created' | 'exists'> {
     await this.admission.whenRepaired();
     return this.pool.withLock(id, 'ControllerPublishVolume', async () => {
-      await this.mustGet(id);
-      const file = await this.readFenceFile(id);
+      const [, file] = await sideBySide(this.mustGet(id), this.readFenceFile(id));
       const current = await this.attachments(id, file);
       const same = current.find((a) => a.node === att.node);
       if (same) {
@@ -268,8 +267,7 @@ export abstract class VolumeFences {
     opts: { replaceStaging?: boolean } = {},
   ): Promise<Lease | undefined> {
     return this.pool.withLock(id, 'NodeStageVolume', async () => {
-      await this.mustGet(id);
-      const file = await this.readFenceFile(id);
+      const [, file] = await sideBySide(this.mustGet(id), this.readFenceFile(id));
       const all = await this.leases(id, file);
       const attachedHere = async (): Promise<boolean> =>
         (await this.attachments(id, file)).some((a) => a.node === lease.node);

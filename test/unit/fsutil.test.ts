@@ -1,12 +1,12 @@
 /**
  * writeFilesAtomic: several records replaced side by side, appearing in the order given, with no temp
- * file left behind whatever fails. On real files in a temporary directory.
+ * file left behind whatever fails; readText, and sideBySide. On real files in a temporary directory.
  */
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
-import { writeFilesAtomic } from '../../src/pool/fsutil.js';
+import { readText, sideBySide, writeFilesAtomic } from '../../src/pool/fsutil.js';
 
 let dir: string;
 beforeEach(async () => {
@@ -71,5 +71,57 @@ describe('writeFilesAtomic', () => {
     ).rejects.toThrow();
     expect(await fs.readFile(second, 'utf8')).toBe('old\n');
     expect(await everything()).toEqual(['a', 'a/copy.json', 'a/copy.json/x', 'b', 'b/fences.json']);
+  });
+});
+
+describe('readText', () => {
+  it('reads a record whole, an empty file, and a file larger than its first read', async () => {
+    const small = path.join(dir, 'a', 'meta.json');
+    await fs.writeFile(small, '{"n":1}\n');
+    expect(await readText(small)).toBe('{"n":1}\n');
+    const empty = path.join(dir, 'a', 'empty');
+    await fs.writeFile(empty, '');
+    expect(await readText(empty)).toBe('');
+    // Multi-byte characters across the first read's end, and several reads after it.
+    const large = `${'é'.repeat(50_000)}${'x'.repeat(7)}`;
+    const big = path.join(dir, 'b', 'big.json');
+    await fs.writeFile(big, large);
+    expect(await readText(big)).toBe(large);
+  });
+
+  it('says ENOENT for a file that is not there, as fs.readFile does', async () => {
+    await expect(readText(path.join(dir, 'a', 'absent'))).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+});
+
+describe('sideBySide', () => {
+  it('throws the first failure in the order given, once every one has ended', async () => {
+    const ended: string[] = [];
+    const after = <T>(ms: number, name: string, v: () => T): Promise<T> =>
+      new Promise<T>((resolve, reject) =>
+        setTimeout(() => {
+          ended.push(name);
+          try {
+            resolve(v());
+          } catch (e) {
+            reject(e as Error);
+          }
+        }, ms),
+      );
+    const first = after(40, 'first', () => {
+      throw new Error('first');
+    });
+    const second = after(5, 'second', () => {
+      throw new Error('second');
+    });
+    const third = after(60, 'third', () => 3);
+    await expect(sideBySide(first, second, third)).rejects.toThrow('first');
+    expect(ended).toEqual(['second', 'first', 'third']);
+    expect(
+      await sideBySide(
+        after(5, 'a', () => 1),
+        after(1, 'b', () => 'two'),
+      ),
+    ).toEqual([1, 'two']);
   });
 });

@@ -156,7 +156,7 @@ describe('LockManager', () => {
     const got = await locks.tryAcquire('k', 'holder');
     if (!isHeld(got)) throw new Error('not held');
     // The pool's server went away under a hard mount: reads hang, they never fail.
-    const hang = vi.spyOn(fs, 'readFile').mockImplementation(() => new Promise(() => undefined));
+    const hang = vi.spyOn(fs, 'open').mockImplementation(() => new Promise(() => undefined));
     try {
       for (let i = 0; i < 50 && !got.signal.aborted; i++) await sleep(20);
       expect(got.signal.aborted).toBe(true);
