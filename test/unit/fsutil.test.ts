@@ -97,24 +97,15 @@ describe('readText', () => {
 describe('sideBySide', () => {
   it('throws the first failure in the order given, once every one has ended', async () => {
     const ended: string[] = [];
-    const after = <T>(ms: number, name: string, v: () => T): Promise<T> =>
-      new Promise<T>((resolve, reject) =>
-        setTimeout(() => {
-          ended.push(name);
-          try {
-            resolve(v());
-          } catch (e) {
-            reject(e as Error);
-          }
-        }, ms),
-      );
-    const first = after(40, 'first', () => {
-      throw new Error('first');
-    });
-    const second = after(5, 'second', () => {
-      throw new Error('second');
-    });
-    const third = after(60, 'third', () => 3);
+    const after = async <T>(ms: number, name: string, v: T | Error): Promise<T> => {
+      await new Promise((r) => setTimeout(r, ms));
+      ended.push(name);
+      if (v instanceof Error) throw v;
+      return v;
+    };
+    const first = after(40, 'first', new Error('first'));
+    const second = after(5, 'second', new Error('second'));
+    const third = after(60, 'third', 3);
     await expect(sideBySide(first, second, third)).rejects.toThrow('first');
     expect(ended).toEqual(['second', 'first', 'third']);
     expect(
