@@ -108,11 +108,6 @@ describe('sideBySide', () => {
     const third = after(60, 'third', 3);
     await expect(sideBySide(first, second, third)).rejects.toThrow('first');
     expect(ended).toEqual(['second', 'first', 'third']);
-    expect(
-      await sideBySide(
-        after(5, 'a', () => 1),
-        after(1, 'b', () => 'two'),
-      ),
-    ).toEqual([1, 'two']);
+    expect(await sideBySide(after(5, 'a', 1), after(1, 'b', 'two'))).toEqual([1, 'two']);
   });
 });
