@@ -79,15 +79,15 @@ function stopper(proc) {
 /**
  * The real driver (dist/main.js), in a process of its own, serving a pool in `dir`/pool. With
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
- * every command it runs, with its duration).
+ * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
  */
-export async function startDriver(dir, extra = [], nodeArgs = [], { logs = false } = {}) {
+export async function startDriver(dir, extra = [], nodeArgs = [], { logs = false, repo = REPO } = {}) {
   const socket = path.join(dir, `csi-${Math.random().toString(36).slice(2)}.sock`);
   const proc = spawn(
     process.execPath,
     [
       ...nodeArgs,
-      path.join(REPO, 'dist', 'main.js'),
+      path.join(repo, 'dist', 'main.js'),
       `--endpoint=unix://${socket}`,
       '--nodeid=bench-node',
       `--pool-dir=${path.join(dir, 'pool')}`,
