@@ -66,6 +66,8 @@ export interface PreparedFilesystem {
 /**
  * Makes sure `loop` holds the volume's filesystem: keeps the one there, or formats a blank, never
  * initialized device. `attach` makes a new attachment of the image (for formatting a read-only staging).
+ * Nothing is written (no mkfs, no marker) before `before` has ended well: the device is looked at
+ * meanwhile.
  */
 export async function prepareFilesystem(
   d: NodeDeps,
@@ -74,6 +76,7 @@ export async function prepareFilesystem(
   cap: Capability,
   loop: LoopDevice,
   attach: (readOnly: boolean) => Promise<LoopDevice>,
+  before: Promise<unknown> = Promise.resolve(),
 ): Promise<PreparedFilesystem> {
   const waitMs = Math.max(
     1_000,
@@ -91,6 +94,7 @@ export async function prepareFilesystem(
       vol.fsType === 'none' ? 'ext4' : vol.fsType,
     );
     if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
+    await before;
     if (decision.action === 'keep') {
       if (!initialized) {
         const by = `node ${d.nodeId} (found ${decision.fsType})`;
@@ -108,7 +112,8 @@ export async function prepareFilesystem(
 
 /**
  * The filesystem on a staging's device: the live one a reused device still holds (mounted again, never
- * checked or formatted), or the one prepareFilesystem keeps or makes (`formatted` says which).
+ * checked or formatted), or the one prepareFilesystem keeps or makes (`formatted` says which), writing
+ * nothing before `before` has ended well.
  */
 export async function filesystemOn(
   d: NodeDeps,
@@ -118,6 +123,7 @@ export async function filesystemOn(
   loop: LoopDevice,
   reused: boolean,
   attach: (readOnly: boolean) => Promise<LoopDevice>,
+  before: Promise<unknown>,
 ): Promise<{ live: boolean; fsType: FsType; loop: LoopDevice; formatted?: boolean }> {
   // A reused device that a filesystem still holds, with no mount of it here: a superblock left alive
   // (frozen when a pod went away during a snapshot, or mounted in a namespace that is gone). It is
@@ -131,7 +137,7 @@ export async function filesystemOn(
     }
     return { live: true, fsType: content.type as FsType, loop };
   }
-  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, attach)) };
+  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, attach, before)) };
 }
 
 /** Formats a blank device, attaching it read-write for the purpose when it is staged read-only. */

@@ -233,10 +233,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       return;
     }
 
-    // A filesystem's device is looked at (and a blank one formatted) while that record is written: both
-    // end before the filesystem is checked, grown or mounted, so a crash at any point leaves what one
-    // between the attach and the record always could (a device the lease does not name, nothing mounted).
-    const [, found] = await sideBySide(naming, filesystemOn(d, x, vol, r.cap, loop, reused, attach));
+    // A filesystem's device is looked at (the format lock taken, the probe) while that record is
+    // written; nothing is written to the device or the pool (mkfs, the marker) before the record is, and
+    // nothing is mounted before both ended: a crash at any point leaves what one between the attach and
+    // the record always could (a device the lease does not name, untouched).
+    const [, found] = await sideBySide(naming, filesystemOn(d, x, vol, r.cap, loop, reused, attach, naming));
     const { live, fsType } = found;
     loop = found.loop;
     const growAfterMount =

@@ -21,6 +21,7 @@ import {
 } from './fence-file.js';
 import { isNodeId, isVolumeId } from './ids.js';
 import type { NodeRegistry } from './nodes.js';
+import type { HeldLock } from './lock.js';
 import type { Pool } from './pool.js';
 import {
   type Attachment,
@@ -86,8 +87,9 @@ export abstract class VolumeFences {
     return r.state === 'ok' ? r.value : { attachments: {}, leases: {}, revoked: {}, detached: {} };
   }
 
-  /** The fence file, after the per-node `copies` (written side by side, appearing in order). */
-  private async writeFenceFile(id: string, f: FenceFile, copies: NewFile[] = []): Promise<void> {
+  /** The fence file after the per-node `copies` (side by side, appearing in order), while `lock` is held. */
+  private async writeFenceFile(id: string, lock: HeldLock, f: FenceFile, copies: NewFile[] = []) {
+    lock.assertHeld(); // lost: another process may have changed the file since it was read
     await writeFilesAtomic([...copies, { file: this.layout.volumeFences(id), data: json(f) }]);
   }
 
@@ -154,7 +156,7 @@ export abstract class VolumeFences {
    */
   async publish(id: string, att: Attachment, maxVolumes: number): Promise<'created' | 'exists'> {
     await this.admission.whenRepaired();
-    return this.pool.withLock(id, 'ControllerPublishVolume', async () => {
+    return this.pool.withLock(id, 'ControllerPublishVolume', async (lock) => {
       const [, file] = await sideBySide(this.mustGet(id), this.readFenceFile(id));
       const current = await this.attachments(id, file);
       const same = current.find((a) => a.node === att.node);
@@ -186,7 +188,7 @@ export abstract class VolumeFences {
           const attachments = { ...f.attachments, [att.node]: att };
           const detached = without(f.detached, new Set([att.node]));
           const copy = { file: this.layout.attachment(id, att.node), data: json(att) };
-          await this.writeFenceFile(id, { ...f, attachments, detached }, [copy]);
+          await this.writeFenceFile(id, lock, { ...f, attachments, detached }, [copy]);
         },
       });
       return 'created';
@@ -200,7 +202,7 @@ export abstract class VolumeFences {
    */
   async unpublish(id: string, node: string | undefined): Promise<void> {
     if (!isVolumeId(id)) return;
-    await this.pool.withLock(id, 'ControllerUnpublishVolume', async () => {
+    await this.pool.withLock(id, 'ControllerUnpublishVolume', async (lock) => {
       if (await this.isGone(id)) return;
       const file = await this.readFenceFile(id);
       const targets = node === undefined ? (await this.attachments(id, file)).map((a) => a.node) : [node];
@@ -225,7 +227,7 @@ export abstract class VolumeFences {
         }
       }
       // The fence file first (what this release trusts), then the per-node copies.
-      await this.writeFenceFile(id, {
+      await this.writeFenceFile(id, lock, {
         attachments: without(f.attachments, gone),
         leases: without(f.leases, gone),
         revoked,
@@ -266,7 +268,7 @@ export abstract class VolumeFences {
     lease: Lease,
     opts: { replaceStaging?: boolean } = {},
   ): Promise<Lease | undefined> {
-    return this.pool.withLock(id, 'NodeStageVolume', async () => {
+    return this.pool.withLock(id, 'NodeStageVolume', async (lock) => {
       const [, file] = await sideBySide(this.mustGet(id), this.readFenceFile(id));
       const all = await this.leases(id, file);
       const attachedHere = async (): Promise<boolean> =>
@@ -340,7 +342,7 @@ export abstract class VolumeFences {
           // stop nobody) until those nodes unstage: they say which devices on their host are theirs.
           revoked = without(revoked, new Set([lease.node]));
         }
-        await this.writeFenceFile(id, { ...f, leases, revoked }, copies);
+        await this.writeFenceFile(id, lock, { ...f, leases, revoked }, copies);
       }
       return mine;
     });
@@ -369,23 +371,23 @@ export abstract class VolumeFences {
   /** Records that `node` stopped writing a volume taken from it (its revoked lease is released), `how`. */
   async markFenced(id: string, node: string, how: string): Promise<void> {
     if (!isVolumeId(id)) return;
-    await this.pool.withLock(id, 'fence', async () => {
+    await this.pool.withLock(id, 'fence', async (lock) => {
       if (await this.isGone(id)) return;
       const f = await this.fenceFileForUpdate(id);
       const l = f.revoked[node];
       if (!l || l.fencedAt !== undefined) return;
-      await this.writeFenceFile(id, { ...f, revoked: letGo(f.revoked, [node], how) });
+      await this.writeFenceFile(id, lock, { ...f, revoked: letGo(f.revoked, [node], how) });
     });
   }
 
   async dropLease(id: string, node: string): Promise<void> {
     if (!isVolumeId(id)) return;
-    await this.pool.withLock(id, 'NodeUnstageVolume', async () => {
+    await this.pool.withLock(id, 'NodeUnstageVolume', async (lock) => {
       if (await this.isGone(id)) return;
       const f = await this.fenceFileForUpdate(id);
       if (node in f.leases || node in f.revoked) {
         const gone = new Set([node]);
-        await this.writeFenceFile(id, {
+        await this.writeFenceFile(id, lock, {
           ...f,
           leases: without(f.leases, gone),
           revoked: without(f.revoked, gone),

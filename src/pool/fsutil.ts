@@ -4,7 +4,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { constants } from 'node:fs';
-import fs, { type FileHandle } from 'node:fs/promises';
+import fs from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
 
@@ -13,12 +13,11 @@ const tmpName = (file: string): string =>
 
 /*
  * Every await of a file operation is a trip through libuv's thread pool and back, about 0.1-0.15 ms of
- * waking threads on a small virtual machine whatever the operation: independent ones run side by side,
- * and a handle with nothing left to flush (read, or synced) is closed without waiting for it.
+ * waking threads on a small virtual machine whatever the operation: independent ones run side by side.
+ * A file's handle is closed before anything goes on: on NFS, renaming over or removing a file this client
+ * still has open hides it from other clients for a moment (a "silly rename"), and some FUSE filesystems
+ * store what was written only at close. A directory's handle, synced, is closed without waiting.
  */
-const closeLater = (h: FileHandle): void => {
-  h.close().catch(() => undefined);
-};
 
 /**
  * Awaits `ps` side by side, every one to its end; then throws the first failure in their order (what
@@ -37,7 +36,7 @@ export async function fsyncDir(dir: string): Promise<void> {
   try {
     await handle.sync();
   } finally {
-    closeLater(handle);
+    handle.close().catch(() => undefined);
   }
 }
 
@@ -52,10 +51,7 @@ async function writeTemp(file: string, data: string, sync: boolean): Promise<str
     await fs.rm(tmp, { force: true });
     throw err;
   }
-  // Synced: nothing is left to flush. Unsynced, the close is awaited: an NFS client writes the data
-  // back at close, and others must not see the file before it has its content.
-  if (sync) closeLater(handle);
-  else await handle.close();
+  await handle.close();
   return tmp;
 }
 
@@ -63,8 +59,8 @@ async function writeTemp(file: string, data: string, sync: boolean): Promise<str
 const READ_AHEAD = 16 * 1024;
 
 /**
- * A pool file's text, as fs.readFile reads it (its size, then that many bytes) in two waits instead of
- * four: the size and the first bytes are asked for side by side, and the handle closed without waiting.
+ * A pool file's text, as fs.readFile reads it (its size, then that many bytes), in three waits instead
+ * of four: the size and the first bytes are asked for side by side.
  */
 export async function readText(file: string): Promise<string> {
   const h = await fs.open(file, 'r');
@@ -82,7 +78,7 @@ export async function readText(file: string): Promise<string> {
       at += n;
     }
   } finally {
-    closeLater(h);
+    await h.close();
   }
 }
 

@@ -89,6 +89,10 @@ describe('readText', () => {
     expect(await readText(big)).toBe(large);
   });
 
+  it('reads to the end a file whose size says otherwise (procfs says 0)', async () => {
+    expect(await readText('/proc/version')).toBe(await fs.readFile('/proc/version', 'utf8'));
+  });
+
   it('says ENOENT for a file that is not there, as fs.readFile does', async () => {
     await expect(readText(path.join(dir, 'a', 'absent'))).rejects.toMatchObject({ code: 'ENOENT' });
   });

@@ -248,4 +248,40 @@ describe('work under a lock that is lost', () => {
     });
     await fs.stat(pool.layout.volumeImage(id));
   });
+
+  it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
+    const dir = await tempDir('lost-fence');
+    dirs.push(dir);
+    const pool = await Pool.open(dir, 'test', log, { create: true, lock: { heartbeatMs: 20 } });
+    const volumes = new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log);
+    const meta = volumeMeta('pv-fence', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
+    await volumes.create(meta, async (image) => {
+      await fs.writeFile(image, '');
+      return { initialized: false };
+    });
+    const { id } = meta;
+    const mustGet = volumes.mustGet.bind(volumes);
+    vi.spyOn(volumes, 'mustGet').mockImplementationOnce(async (vid) => {
+      // Read under the lock; then another process takes the lock over (this one was cut off from the
+      // pool for a lease) and this one's renewal finds it gone.
+      const got = await mustGet(vid);
+      await fs.writeFile(path.join(pool.layout.locksDir, `${id}.lock`), '{}');
+      await new Promise((r) => setTimeout(r, 150));
+      return got;
+    });
+    const lease = {
+      node: 'node-a',
+      stagingPath: '/staging',
+      accessType: 'mount' as const,
+      mode: 'SINGLE_NODE_WRITER' as const,
+      readonly: false,
+      since: new Date().toISOString(),
+    };
+    await expect(volumes.takeLease(id, lease)).rejects.toThrow(/lost its lock/);
+    await expect(fs.stat(pool.layout.volumeFences(id))).rejects.toMatchObject({ code: 'ENOENT' });
+    // With the lock held, the same call writes it.
+    await fs.rm(path.join(pool.layout.locksDir, `${id}.lock`));
+    await volumes.takeLease(id, lease);
+    expect(await volumes.lease(id, 'node-a')).toMatchObject({ node: 'node-a', stagingPath: '/staging' });
+  });
 });

@@ -86,21 +86,35 @@ describe('NodeStageVolume', () => {
     expect(await w.volumes.lease(id, NODE)).toMatchObject({ stagingPath: STAGING, accessType: 'mount' });
   });
 
-  it('mounts only once its lease names the device (written while the device is probed and formatted)', async () => {
+  it('probes while its lease is made to name the device, and formats and mounts only once it does', async () => {
     const w = await world();
     const { id } = await newVolume(w);
     const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
     w.d.volumes.takeLease = async (vid, lease, opts) => {
-      if (lease.device !== undefined) await new Promise((r) => setTimeout(r, 50));
-      return takeLease(vid, lease, opts);
+      if (lease.device === undefined) return takeLease(vid, lease, opts);
+      await new Promise((r) => setTimeout(r, 50));
+      await takeLease(vid, lease, opts);
+      w.host.ops.push('lease names the device');
     };
-    const mount = w.host.mount.bind(w.host);
-    w.host.mount = async (cx, m) => {
+    const named = async (): Promise<void> => {
       w.host.ops.push(`lease names ${(await w.volumes.lease(id, NODE))?.device ?? 'nothing'}`);
+    };
+    const [format, mount] = [w.host.format.bind(w.host), w.host.mount.bind(w.host)];
+    w.host.format = async (cx, fsType, device) => {
+      await named();
+      await format(cx, fsType, device);
+    };
+    w.host.mount = async (cx, m) => {
+      await named();
       await mount(cx, m);
     };
     await stage(w, id);
-    expect(w.host.ops.filter((o) => o.startsWith('lease') || o.startsWith('mount'))).toEqual([
+    expect(w.host.ops.filter((o) => !o.startsWith('attach') && !o.startsWith('mkdir'))).toEqual([
+      'flush /dev/loop0',
+      'probe /dev/loop0',
+      'lease names the device',
+      'lease names loop0',
+      'format ext4 /dev/loop0',
       'lease names loop0',
       `mount ext4 /dev/loop0 ${STAGING}`,
     ]);
@@ -322,33 +336,38 @@ describe('a stage that fails undoes what it did', () => {
     expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
   });
 
-  it("fails when its lease cannot name the device, once the device's format has ended, and undoes it all", async () => {
+  it('formats nothing when its lease cannot name the device (detached from this node meanwhile), and undoes it all', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
-    // The record naming the device is written while the device is formatted; here it is refused (the
-    // volume was detached from this node meanwhile) while mkfs still runs.
     const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
     w.d.volumes.takeLease = async (vid, lease, opts) => {
       if (lease.device === undefined) return takeLease(vid, lease, opts);
+      await new Promise((r) => setTimeout(r, 50)); // the probe runs meanwhile
       w.host.ops.push('lease refused');
       throw conflict(`Volume ${vid} was detached from node ${NODE}; publish it to this node again first.`);
     };
-    const format = w.host.format.bind(w.host);
-    w.host.format = async (cx, fsType, device) => {
-      await new Promise((r) => setTimeout(r, 50));
-      await format(cx, fsType, device);
-      w.host.ops.push('format ended');
-    };
     expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
     const ops = w.host.ops;
-    expect(ops.indexOf('lease refused')).toBeLessThan(ops.indexOf('format ended'));
-    // Nothing is detached, unmounted or mounted while mkfs runs on the device.
-    expect(ops.slice(ops.indexOf('format ended'))).toEqual(['format ended', 'detach loop0']);
-    expect(ops.some((o) => o.startsWith('mount '))).toBe(false);
+    expect(ops.indexOf('probe /dev/loop0')).toBeLessThan(ops.indexOf('lease refused'));
+    expect(ops.slice(ops.indexOf('lease refused'))).toEqual(['lease refused', 'detach loop0']);
+    expect(w.host.content.get(image)).toBeUndefined(); // never formatted
+    expect(await w.volumes.isInitialized(id)).toBe(false);
     await expectNothingLeft(w, id);
-    // What it formatted is recorded as such: the marker and the disk agree.
-    expect(w.host.content.get(image)?.kind).toBe('filesystem');
-    expect(await w.volumes.isInitialized(id)).toBe(true);
+  });
+
+  it('undoes its lease only once the record naming the device is written, when the probe fails first', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
+    w.d.volumes.takeLease = async (vid, lease, opts) => {
+      if (lease.device !== undefined) await new Promise((r) => setTimeout(r, 50));
+      return takeLease(vid, lease, opts);
+    };
+    w.host.failNext('probe');
+    expect(await codeOf(stage(w, id))).toBe('INTERNAL');
+    // A rollback that did not wait would drop the lease first and see the record written again after.
+    await new Promise((r) => setTimeout(r, 100));
+    await expectNothingLeft(w, id);
   });
 
   it('reports FAILED_PRECONDITION when mkfs finds a signature the probe missed, and marks nothing', async () => {
