@@ -10,7 +10,7 @@
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
-import { GiB, REPO, capOf, cleanup, median, now, startDriver } from './lib.mjs';
+import { GiB, REPO, capOf, cleanup, median, stageUnstage, startDriver } from './lib.mjs';
 
 const [other, kindList = 'ext4,xfs,btrfs,block', roundsArg = '15'] = process.argv.slice(2);
 if (!other) {
@@ -42,35 +42,11 @@ try {
     // Round -1 warms both up, untimed.
     for (let i = -1; i < rounds; i++) {
       for (const { name, d } of i % 2 ? drivers : [...drivers].reverse()) {
-        const v = await d.c.controller.CreateVolume({
-          name: `ab-${kind}-${i}`,
-          capacity_range: { required_bytes: String(GiB) },
-          volume_capabilities: [cap],
-        });
-        const id = v.volume.volume_id;
-        const pub = await d.c.controller.ControllerPublishVolume({
-          volume_id: id,
-          node_id: 'bench-node',
-          volume_capability: cap,
-        });
         const staging = path.join(d.pool, '..', `st-${kind}-${i}`);
-        await fs.mkdir(staging, { recursive: true });
-        const t0 = now();
-        await d.c.node.NodeStageVolume({
-          volume_id: id,
-          staging_target_path: staging,
-          volume_capability: cap,
-          publish_context: pub.publish_context,
-          volume_context: v.volume.volume_context,
-        });
-        const t1 = now();
-        await d.c.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-        const t2 = now();
-        await d.c.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'bench-node' });
-        await d.c.controller.DeleteVolume({ volume_id: id });
+        const t = await stageUnstage(d, `ab-${kind}-${i}`, cap, GiB, staging);
         if (i >= 0) {
-          ms[name].stage.push(t1 - t0);
-          ms[name].unstage.push(t2 - t1);
+          ms[name].stage.push(t.stageMs);
+          ms[name].unstage.push(t.unstageMs);
         }
       }
     }

@@ -227,3 +227,37 @@ export async function stageAndPublish(d, id, cap, staging, target) {
     volume_capability: cap,
   });
 }
+
+/**
+ * One volume through NodeStageVolume and NodeUnstageVolume on `d`, staged at `staging`: CreateVolume
+ * and ControllerPublishVolume before, ControllerUnpublishVolume and DeleteVolume after, untimed.
+ * Returns the volume's id and the two calls' times in ms.
+ */
+export async function stageUnstage(d, name, cap, sizeBytes, staging) {
+  const v = await d.c.controller.CreateVolume({
+    name,
+    capacity_range: { required_bytes: String(sizeBytes) },
+    volume_capabilities: [cap],
+  });
+  const id = v.volume.volume_id;
+  const pub = await d.c.controller.ControllerPublishVolume({
+    volume_id: id,
+    node_id: 'bench-node',
+    volume_capability: cap,
+  });
+  await fs.mkdir(staging, { recursive: true });
+  const t0 = now();
+  await d.c.node.NodeStageVolume({
+    volume_id: id,
+    staging_target_path: staging,
+    volume_capability: cap,
+    publish_context: pub.publish_context,
+    volume_context: v.volume.volume_context,
+  });
+  const t1 = now();
+  await d.c.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+  const t2 = now();
+  await d.c.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'bench-node' });
+  await d.c.controller.DeleteVolume({ volume_id: id });
+  return { id, stageMs: t1 - t0, unstageMs: t2 - t1 };
+}

@@ -7,7 +7,7 @@
 // CreateVolume and ControllerPublishVolume run before each stage, untimed.
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { GiB, capOf, median, now, round, sh, sleep, startDriver } from './lib.mjs';
+import { GiB, capOf, median, now, round, sh, sleep, stageUnstage, startDriver } from './lib.mjs';
 
 /** The commands a call ran, from the driver's debug log: [{ command, args, ms }]. */
 function commandsOf(lines, method, volumeId) {
@@ -50,34 +50,12 @@ export async function stage(dir, results, { reps, kinds = ['ext4', 'xfs', 'btrfs
       const s = { stage: [], unstage: [], floorStage: [], floorUnstage: [], cmds: [], cmdMs: [], ucmds: [] };
       for (let i = -1; i < reps; i++) {
         // i = -1 warms the code paths and learns the commands the floor replays.
-        const v = await d.c.controller.CreateVolume({
-          name: `stage-${kind}-${i}`,
-          capacity_range: { required_bytes: String(size) },
-          volume_capabilities: [cap],
-        });
-        const id = v.volume.volume_id;
-        const pub = await d.c.controller.ControllerPublishVolume({
-          volume_id: id,
-          node_id: 'bench-node',
-          volume_capability: cap,
-        });
         const staging = path.join(dir, `st-${kind}-${i}`);
-        await fs.mkdir(staging, { recursive: true });
-        const req = {
-          volume_id: id,
-          staging_target_path: staging,
-          volume_capability: cap,
-          publish_context: pub.publish_context,
-          volume_context: v.volume.volume_context,
-        };
-        const t0 = now();
-        await d.c.node.NodeStageVolume(req);
-        const staged = now() - t0;
-        const t1 = now();
-        await d.c.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-        const unstaged = now() - t1;
-        await d.c.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'bench-node' });
-        await d.c.controller.DeleteVolume({ volume_id: id });
+        const {
+          id,
+          stageMs: staged,
+          unstageMs: unstaged,
+        } = await stageUnstage(d, `stage-${kind}-${i}`, cap, size, staging);
         await waitLog(d, 'NodeUnstageVolume', id);
         const cmds = commandsOf(d.lines, 'NodeStageVolume', id);
         const ucmds = commandsOf(d.lines, 'NodeUnstageVolume', id);
