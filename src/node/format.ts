@@ -66,8 +66,8 @@ export interface PreparedFilesystem {
 /**
  * Makes sure `loop` holds the volume's filesystem: keeps the one there, or formats a blank, never
  * initialized device. `attach` makes a new attachment of the image (for formatting a read-only staging).
- * Nothing is written (no mkfs, no marker) before `before` has ended well: the device is looked at
- * meanwhile.
+ * `fresh`: this call attached `loop`. Nothing is written (no mkfs, no marker) before `before` has ended
+ * well: the device is looked at meanwhile.
  */
 export async function prepareFilesystem(
   d: NodeDeps,
@@ -75,6 +75,7 @@ export async function prepareFilesystem(
   vol: VolumeMeta,
   cap: Capability,
   loop: LoopDevice,
+  fresh: boolean,
   attach: (readOnly: boolean) => Promise<LoopDevice>,
   before: Promise<unknown> = Promise.resolve(),
 ): Promise<PreparedFilesystem> {
@@ -84,9 +85,7 @@ export async function prepareFilesystem(
   );
   return d.volumes.withFormatLock(vol.id, waitMs, async () => {
     const initialized = await d.volumes.isInitialized(vol.id);
-    // Another node may have formatted it while this one waited: read the disk, not what was cached.
-    await d.host.flush(x, loop.path);
-    const content = await d.host.probe(x, loop.path);
+    const content = await probeUncached(d, x, loop, fresh, initialized);
     const decision = decideFormat(
       content,
       initialized,
@@ -137,7 +136,31 @@ export async function filesystemOn(
     }
     return { live: true, fsType: content.type as FsType, loop };
   }
-  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, attach, before)) };
+  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, !reused, attach, before)) };
+}
+
+/**
+ * What the device holds, never as this host's page cache may remember it from before another node
+ * formatted the image (which it did holding the format lock this call now holds, and recorded in the
+ * marker before letting go). A device this call attached held nothing in the cache then: the kernel
+ * drops a loop device's cached pages when it is detached. What was read of it since (udev's probe) can
+ * predate such a format only if it showed a blank device, and the format left the marker: a blank
+ * answer with the marker there is read again after the cache is dropped. Any other device (attached
+ * before this call) has its cache dropped first.
+ */
+async function probeUncached(
+  d: NodeDeps,
+  x: Exec,
+  loop: LoopDevice,
+  fresh: boolean,
+  initialized: boolean,
+): Promise<DeviceContent> {
+  if (fresh) {
+    const content = await d.host.probe(x, loop.path);
+    if (content.kind !== 'blank' || !initialized) return content;
+  }
+  await d.host.flush(x, loop.path);
+  return d.host.probe(x, loop.path);
 }
 
 /** Formats a blank device, attaching it read-write for the purpose when it is staged read-only. */

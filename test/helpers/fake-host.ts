@@ -76,6 +76,11 @@ export class FakeHost implements Host {
   bindDropsFlags = false;
   /** The sector size a device comes up with unless asked for one (the kernel's choice). */
   kernelSectorSize = 512;
+  /**
+   * What this host's page cache remembers a device holding, by device path, when that is not what its
+   * image holds now (read before another node wrote it): probes answer it until the device is flushed.
+   */
+  readonly cached = new Map<string, DeviceContent>();
 
   private readonly nodes = new Map<string, FakeNode>();
   private readonly faults: { match: (op: string) => boolean; err: Error; once: boolean }[] = [];
@@ -242,7 +247,10 @@ export class FakeHost implements Host {
     if (!now || now.backingFile !== loop.backingFile) return true;
     await this.act(`detach ${loop.name}`);
     if (this.inUse(now)) now.autoclear = true;
-    else this.attached.delete(loop.name);
+    else {
+      this.attached.delete(loop.name);
+      this.cached.delete(loop.path); // the kernel drops a detached device's cached pages
+    }
     return !now.autoclear;
   }
 
@@ -336,6 +344,8 @@ export class FakeHost implements Host {
 
   async probe(_x: Exec, device: string): Promise<DeviceContent> {
     await this.act(`probe ${device}`);
+    const remembered = this.cached.get(device);
+    if (remembered) return remembered;
     const c = this.contentOf(this.mustLoop(device).image);
     return c.kind === 'filesystem' ? { kind: c.kind, type: c.type } : c;
   }
@@ -361,6 +371,7 @@ export class FakeHost implements Host {
 
   async flush(_x: Exec, device: string): Promise<void> {
     await this.act(`flush ${device}`);
+    this.cached.delete(device);
   }
 
   async filesystemSize(fsType: FsType, device: string): Promise<number | undefined> {

@@ -73,7 +73,6 @@ describe('NodeStageVolume', () => {
     await stage(w, id);
     expect(w.host.ops).toEqual([
       `attach ${image} rw`,
-      'flush /dev/loop0',
       'probe /dev/loop0',
       'format ext4 /dev/loop0',
       `mkdir ${STAGING}`,
@@ -110,7 +109,6 @@ describe('NodeStageVolume', () => {
     };
     await stage(w, id);
     expect(w.host.ops.filter((o) => !o.startsWith('attach') && !o.startsWith('mkdir'))).toEqual([
-      'flush /dev/loop0',
       'probe /dev/loop0',
       'lease names the device',
       'lease names loop0',
@@ -138,7 +136,6 @@ describe('NodeStageVolume', () => {
       code: 'OK',
       ops: [
         `attach ${image} rw`,
-        'flush /dev/loop0',
         'probe /dev/loop0',
         'check ext4 /dev/loop0',
         `mkdir ${STAGING}`,
@@ -176,7 +173,6 @@ describe('NodeStageVolume', () => {
     await stage(w, id, { mode: 'SINGLE_NODE_READER_ONLY' });
     expect(w.host.ops).toEqual([
       `attach ${image} ro`,
-      'flush /dev/loop0',
       'probe /dev/loop0',
       'detach loop0',
       `attach ${image} rw`,
@@ -244,8 +240,54 @@ describe('NodeStageVolume', () => {
     await fs.truncate(image, 2 * SIZE);
     const { code, ops } = await during(w, () => stage(w, id, { fsType }));
     expect(code).toBe('OK');
-    expect(ops.slice(3)).toEqual(growth);
+    expect(ops.slice(2)).toEqual(growth); // after the attach and the probe
     expect(w.host.content.get(image)).toEqual({ kind: 'filesystem', type: fsType, size: 2 * SIZE });
+  });
+});
+
+describe("what this host's page cache remembers of a device never decides", () => {
+  it('reads a blank answer again, the cache dropped, when the marker says another node formatted it since', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { initialized: true });
+    w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE });
+    // udev read the fresh device before the other node's mkfs; then that node recorded it and let go.
+    w.host.cached.set('/dev/loop0', { kind: 'blank' });
+    expect(await during(w, () => stage(w, id))).toEqual({
+      code: 'OK',
+      ops: [
+        `attach ${image} rw`,
+        'probe /dev/loop0',
+        'flush /dev/loop0',
+        'probe /dev/loop0',
+        'check ext4 /dev/loop0',
+        `mkdir ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING}`,
+      ],
+    });
+    expect(formats(w)).toEqual([]);
+  });
+
+  it('drops the cache before it probes a device it did not attach (an interrupted call left it)', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { initialized: true });
+    w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE });
+    await w.host.attach(w.x, image, undefined, { readOnly: false, directIo: false }); // loop0
+    w.host.cached.set('/dev/loop0', { kind: 'filesystem', type: 'xfs' }); // what it held before
+    const { code, ops } = await during(w, () => stage(w, id));
+    expect(code).toBe('OK');
+    expect(ops.slice(0, 3)).toEqual(['flush /dev/loop0', 'probe /dev/loop0', 'check ext4 /dev/loop0']);
+    expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+
+  it('fails, undoing it all, when the cache cannot be dropped before that second look', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { initialized: true });
+    w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE });
+    w.host.cached.set('/dev/loop0', { kind: 'blank' });
+    w.host.failNext('flush');
+    expect(await codeOf(stage(w, id))).toBe('INTERNAL');
+    expect(formats(w)).toEqual([]);
+    await expectNothingLeft(w, id);
   });
 });
 
@@ -313,7 +355,6 @@ describe('what a device holds decides whether it is formatted', () => {
 describe('a stage that fails undoes what it did', () => {
   it.each<[string, 'fresh' | 'formatted']>([
     ['attach', 'fresh'],
-    ['flush', 'fresh'],
     ['probe', 'fresh'],
     ['format', 'fresh'],
     ['mkdir', 'fresh'],
