@@ -12,7 +12,7 @@ import { conflict, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import type { DeviceContent, LoopDevice } from '../host/host.js';
-import { type Capability, type FsType, isFsType, type VolumeMeta } from '../pool/types.js';
+import { type Capability, type FsType, isFsType, isMultiNode, type VolumeMeta } from '../pool/types.js';
 import type { NodeDeps } from './on-host.js';
 
 export type FormatDecision =
@@ -66,7 +66,7 @@ export interface PreparedFilesystem {
 /**
  * Makes sure `loop` holds the volume's filesystem: keeps the one there, or formats a blank, never
  * initialized device. `attach` makes a new attachment of the image (for formatting a read-only staging).
- * `fresh`: this call attached `loop`. Nothing is written (no mkfs, no marker) before `before` has ended
+ * `fresh`: this call attached `loop`, and no other node may stage the volume meanwhile. Nothing is written (no mkfs, no marker) before `before` has ended
  * well: the device is looked at meanwhile.
  */
 export async function prepareFilesystem(
@@ -83,7 +83,7 @@ export async function prepareFilesystem(
     1_000,
     Math.min(FORMAT_LOCK_WAIT_MS, (x.deadline ?? Infinity) - Date.now() - 5_000),
   );
-  return d.volumes.withFormatLock(vol.id, waitMs, async () => {
+  return d.volumes.withFormatLock(vol.id, waitMs, async (lock) => {
     const initialized = await d.volumes.isInitialized(vol.id);
     const content = await probeUncached(d, x, loop, fresh, initialized);
     const decision = decideFormat(
@@ -94,6 +94,7 @@ export async function prepareFilesystem(
     );
     if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
     await before;
+    lock.assertHeld(); // lost while waiting: another node may have formatted it meanwhile
     if (decision.action === 'keep') {
       if (!initialized) {
         const by = `node ${d.nodeId} (found ${decision.fsType})`;
@@ -136,17 +137,22 @@ export async function filesystemOn(
     }
     return { live: true, fsType: content.type as FsType, loop };
   }
-  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, !reused, attach, before)) };
+  // Attached by this call, of a volume no other node may stage meanwhile (its lease is not shared).
+  const fresh = !reused && !isMultiNode(cap.mode);
+  return { live: false, ...(await prepareFilesystem(d, x, vol, cap, loop, fresh, attach, before)) };
 }
 
 /**
- * What the device holds, never as this host's page cache may remember it from before another node
- * formatted the image (which it did holding the format lock this call now holds, and recorded in the
- * marker before letting go). A device this call attached held nothing in the cache then: the kernel
- * drops a loop device's cached pages when it is detached. What was read of it since (udev's probe) can
- * predate such a format only if it showed a blank device, and the format left the marker: a blank
- * answer with the marker there is read again after the cache is dropped. Any other device (attached
- * before this call) has its cache dropped first.
+ * What the device holds, never as the device's page cache on this host may remember it from before
+ * another node formatted the image. `fresh`: this call attached the device, and no other node can hold
+ * the volume meanwhile (its access mode is not one that nodes share), so nothing but this call has
+ * written the image since: the device held no cached page when attached (the kernel drops them when a
+ * loop device is detached), and what was read of it since (udev's probe) is what it holds. A blank
+ * answer with the marker there is read again all the same, after the cache is dropped. Any other device
+ * (attached before this call, or of a volume other nodes may stage at once) has its cache dropped
+ * first. (A loop device that fell back to buffered I/O also reads through the pool filesystem's cache
+ * of the image, which no flush here reaches: on NFS that view is as fresh as the client's last
+ * revalidation, and a stale blank one meets the marker and is refused.)
  */
 async function probeUncached(
   d: NodeDeps,

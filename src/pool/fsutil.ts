@@ -43,15 +43,17 @@ export async function fsyncDir(dir: string): Promise<void> {
 async function writeTemp(file: string, data: string, sync: boolean): Promise<string> {
   const tmp = tmpName(file);
   const handle = await fs.open(tmp, 'wx', 0o644);
+  let closing = false;
   try {
     await handle.writeFile(data);
     if (sync) await handle.sync();
+    closing = true;
+    await handle.close(); // NFS reports a write it could not store here
   } catch (err) {
-    await handle.close().catch(() => undefined);
+    if (!closing) await handle.close().catch(() => undefined);
     await fs.rm(tmp, { force: true });
     throw err;
   }
-  await handle.close();
   return tmp;
 }
 

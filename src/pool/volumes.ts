@@ -300,7 +300,7 @@ export class VolumeStore extends VolumeFences {
    * and to format it: two nodes staging a fresh volume at once never both run mkfs. mkfs takes time,
    * so the lock is waited for longer than the short-step locks.
    */
-  withFormatLock<T>(id: string, waitMs: number, fn: () => Promise<T>): Promise<T> {
+  withFormatLock<T>(id: string, waitMs: number, fn: (lock: HeldLock) => Promise<T>): Promise<T> {
     return this.pool.withLock(`${id}.format`, 'format decision', fn, waitMs);
   }
 

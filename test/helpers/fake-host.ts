@@ -455,7 +455,11 @@ export class FakeHost implements Host {
   private released(m: MountEntry): void {
     if (this.table.some((e) => e.source === m.source)) return;
     if (this.frozen.has(m.source)) this.heldElsewhere.add(m.source);
-    for (const l of this.attached.values()) if (l.autoclear && !this.inUse(l)) this.attached.delete(l.name);
+    for (const l of this.attached.values()) {
+      if (!l.autoclear || this.inUse(l)) continue;
+      this.attached.delete(l.name);
+      this.cached.delete(l.path); // the kernel drops a detached device's cached pages
+    }
   }
 
   private inUse(l: FakeLoop): boolean {

@@ -15,6 +15,7 @@ import { unstageVolume } from '../../src/node/unstage.js';
 import { Capacity } from '../../src/pool/capacity.js';
 import { volumeIdForName } from '../../src/pool/ids.js';
 import { createSparseImage } from '../../src/pool/images.js';
+import type { LockOptions } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
 import { Pool } from '../../src/pool/pool.js';
 import type { Capability, FsType, VolumeMeta } from '../../src/pool/types.js';
@@ -50,10 +51,11 @@ export interface World {
   root: string;
 }
 
-export async function world(): Promise<World> {
+/** `lock`: how the pool's cross-process locks behave (renewed every `heartbeatMs`, for a lost lock). */
+export async function world(opts: { lock?: LockOptions } = {}): Promise<World> {
   const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-node-flow-'));
   dirs.push(dir);
-  const pool = await Pool.open(dir, 'test', log);
+  const pool = await Pool.open(dir, 'test', log, opts.lock ? { lock: opts.lock } : {});
   const nodes = new NodeRegistry(pool.layout);
   const volumes = new VolumeStore(pool, new Capacity(pool.layout, 100), nodes, log);
   const host = new FakeHost();

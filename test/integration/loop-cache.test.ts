@@ -1,7 +1,9 @@
 /**
- * The kernel's behaviour a stage relies on when it probes a device it has just attached without dropping
- * the host's cache first (src/node/format.ts): a loop device keeps no cached page of the file it was
- * attached to before. On the real kernel, with losetup.
+ * The kernel's behaviour the format decision relies on (src/node/format.ts), on the real kernel with
+ * losetup: a loop device attached anew shows the file it is attached to now, never pages it cached of
+ * another (a detach completes only once nothing has the device open, and its pages go then); a device
+ * that stays open keeps showing what it cached, after the file behind it changed, until its cache is
+ * dropped (`blockdev --flushbufs`): why a device attached before the call is flushed before it is probed.
  */
 import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
@@ -57,5 +59,28 @@ describe.runIf(isRoot())('a loop device attached again', () => {
       return;
     }
     throw new Error('no loop device could be attached twice in a row');
+  });
+
+  it('held open, shows what it cached after the file behind it changed, until its cache is dropped', async () => {
+    const dir = await tempDir('loop-cache-held');
+    dirs.push(dir);
+    const image = path.join(dir, 'disk.img');
+    await fs.writeFile(image, Buffer.alloc(MiB, 'A'));
+    const device = sh('losetup', ['--find', '--show', image]);
+    const held = await fs.open(device, 'r'); // as udev's probe, or a pod, may hold it
+    try {
+      expect(await firstBlock(device)).toBe('AAAAAAAA');
+      // Another host writes the image (here: this one, through the file, not the device).
+      const h = await fs.open(image, 'r+');
+      await h.write(Buffer.alloc(4096, 'B'), 0, 4096, 0);
+      await h.sync();
+      await h.close();
+      expect(await firstBlock(device)).toBe('AAAAAAAA');
+      sh('blockdev', ['--flushbufs', device]);
+      expect(await firstBlock(device)).toBe('BBBBBBBB');
+    } finally {
+      await held.close();
+      sh('losetup', ['--detach', device]);
+    }
   });
 });

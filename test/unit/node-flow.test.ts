@@ -279,6 +279,38 @@ describe("what this host's page cache remembers of a device never decides", () =
     expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
   });
 
+  it('drops the cache first for a volume other nodes may stage at once (multi-node readers), fresh or not', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w, { initialized: true });
+    w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE });
+    // What this host read before another node (sharing the volume) formatted the image.
+    w.host.cached.set('/dev/loop0', { kind: 'filesystem', type: 'xfs' });
+    const { code, ops } = await during(w, () => stage(w, id, { mode: 'MULTI_NODE_READER_ONLY' }));
+    expect(code).toBe('OK');
+    expect(ops.slice(0, 3)).toEqual([`attach ${image} ro`, 'flush /dev/loop0', 'probe /dev/loop0']);
+    expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+
+  it('formats nothing when it lost the format lock while its lease was being written', async () => {
+    const w = await world({ lock: { heartbeatMs: 20 } });
+    const { id, image } = await newVolume(w);
+    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
+    w.d.volumes.takeLease = async (vid, lease, opts) => {
+      if (lease.device !== undefined) {
+        // Cut off from the pool meanwhile: another node took the format lock over once this one had it.
+        const lock = path.join(w.pool.layout.locksDir, `${vid}.format.lock`);
+        while (!(await fs.stat(lock).catch(() => undefined))) await new Promise((r) => setTimeout(r, 5));
+        await fs.writeFile(lock, '{}');
+        await new Promise((r) => setTimeout(r, 150));
+      }
+      return takeLease(vid, lease, opts);
+    };
+    expect(await codeOf(stage(w, id))).toBe('ABORTED');
+    expect(formats(w)).toEqual([]);
+    expect(w.host.content.get(image)).toBeUndefined();
+    expect(await w.volumes.isInitialized(id)).toBe(false);
+  });
+
   it('fails, undoing it all, when the cache cannot be dropped before that second look', async () => {
     const w = await world();
     const { id, image } = await newVolume(w, { initialized: true });
