@@ -202,13 +202,13 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
           `A filesystem of volume ${r.id} is still active on ${l.path} with no mount on this host (left frozen, or mounted in another mount namespace); it was left alone.`,
         );
       }
-      await d.host.detach(x, l);
+      await detachLeftover(d, x, r.id, l);
     }
     let loop = usable[0];
     // A leftover raw block device not at the volume's sector size (a call killed before it was set).
     const want = recorded?.sectorSize;
     if (loop && want && !inUse(loop) && (await d.host.sectorSize(loop)) !== want) {
-      await d.host.detach(x, loop);
+      await detachLeftover(d, x, r.id, loop);
       loop = undefined;
     }
     const reused = loop !== undefined;
@@ -283,6 +283,18 @@ function sameFlags(a: readonly string[], b: readonly string[]): boolean {
 
 /** A loop device as attached: its name and the backing file's path as sysfs shows it. */
 const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;
+
+/**
+ * Detaches a leftover device of volume `id` before another one is attached. One the kernel keeps (a
+ * process holds it open) refuses the stage: two devices of one image are two writers that do not see
+ * each other's cache.
+ */
+async function detachLeftover(d: NodeDeps, x: Exec, id: string, l: LoopDevice): Promise<void> {
+  if (await d.host.detach(x, l)) return;
+  throw conflict(
+    `Volume ${id} is still attached at ${l.path}, which a process on this node holds open; it detaches when closed, and the volume cannot be staged until then.`,
+  );
+}
 
 /** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */
 async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<string>): Promise<void> {

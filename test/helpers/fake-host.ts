@@ -70,6 +70,8 @@ export class FakeHost implements Host {
   readonly frozen = new Set<string>();
   /** Devices a filesystem holds with no mount here (left frozen, or mounted in a namespace that is gone). */
   readonly heldElsewhere = new Set<string>();
+  /** Devices a process holds open (not exclusively: no filesystem claims them), by device path. */
+  readonly heldOpen = new Set<string>();
   /** False: losetup cannot report backing identities (the node algorithms fall back to paths). */
   identityReadable = true;
   /** True: binds come out without their flags (older util-linux), so publish must remount them. */
@@ -464,7 +466,7 @@ export class FakeHost implements Host {
 
   private inUse(l: FakeLoop): boolean {
     const mounted = this.table.some((m) => m.source === l.path || m.root === `/${l.name}`);
-    return mounted || this.heldElsewhere.has(l.path);
+    return mounted || this.heldElsewhere.has(l.path) || this.heldOpen.has(l.path);
   }
 
   private view(l: FakeLoop): LoopDevice {

@@ -864,6 +864,29 @@ describe('NodeUnpublishVolume', () => {
     expect([...w.host.attached.values()].map((l) => l.sectorSize)).toEqual([512]);
   });
 
+  it.each<[string, Partial<Capability>]>([
+    ['a raw block device not at the recorded sector size', { accessType: 'block', fsType: '' }],
+    ['a device attached the other way round', { mode: 'SINGLE_NODE_READER_ONLY' }],
+  ])(
+    'refuses with FAILED_PRECONDITION to attach a second device while a process holds %s open',
+    async (_what, over) => {
+      const w = await world();
+      const { id, image } = await newVolume(w);
+      await stage(w, id, over.accessType === 'block' ? over : {});
+      await unstage(w, id);
+      // A leftover device (killed calls left it) that some process on this host still has open.
+      w.host.kernelSectorSize = 4096;
+      await w.host.attach(w.x, image, undefined, { readOnly: false, directIo: false });
+      w.host.heldOpen.add('/dev/loop0');
+      const { code, ops } = await during(w, () => stage(w, id, over));
+      expect(code).toBe('FAILED_PRECONDITION');
+      expect(ops.filter((o) => o.startsWith('attach'))).toEqual([]); // no second device
+      expect([...w.host.attached.keys()]).toEqual(['loop0']);
+      // Still attached and open here: the lease stays, so that no other node stages it meanwhile.
+      expect(await w.volumes.lease(id, NODE)).toMatchObject({ node: NODE });
+    },
+  );
+
   it("leaves a filesystem volume's device at the kernel's sector size (its filesystem's blocks are larger)", async () => {
     const w = await world();
     const { id } = await newVolume(w);
