@@ -66,8 +66,8 @@ export interface PreparedFilesystem {
 /**
  * Makes sure `loop` holds the volume's filesystem: keeps the one there, or formats a blank, never
  * initialized device. `attach` makes a new attachment of the image (for formatting a read-only staging).
- * `fresh`: this call attached `loop`, and no other node may stage the volume meanwhile. Nothing is written (no mkfs, no marker) before `before` has ended
- * well: the device is looked at meanwhile.
+ * `fresh`: this call attached `loop`, and no other node may stage the volume meanwhile. Nothing is
+ * written (no mkfs, no marker) before `before` has ended well: the device is looked at meanwhile.
  */
 export async function prepareFilesystem(
   d: NodeDeps,
