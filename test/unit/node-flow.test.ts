@@ -53,6 +53,20 @@ async function expectNothingLeft(w: World, id: string): Promise<void> {
 
 const formats = (w: World): string[] => w.host.ops.filter((o) => o.startsWith('format'));
 
+const pause = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** Runs the stage's lease that names the device through `around` (`take` writes it); other leases as they are. */
+function aroundNaming(
+  w: World,
+  around: (take: () => Promise<unknown>, id: string) => Promise<unknown>,
+): void {
+  const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
+  w.d.volumes.takeLease = async (vid, lease, opts) =>
+    lease.device === undefined
+      ? takeLease(vid, lease, opts)
+      : ((await around(() => takeLease(vid, lease, opts), vid)) as Awaited<ReturnType<typeof takeLease>>);
+}
+
 /** A volume staged and published whose staging mount went (unmounted by hand, a lost mount) while the pod's bind of it stays. */
 async function stagingMountGone(): Promise<{ w: World; id: string }> {
   const w = await world();
@@ -88,13 +102,11 @@ describe('NodeStageVolume', () => {
   it('probes while its lease is made to name the device, and formats and mounts only once it does', async () => {
     const w = await world();
     const { id } = await newVolume(w);
-    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
-    w.d.volumes.takeLease = async (vid, lease, opts) => {
-      if (lease.device === undefined) return takeLease(vid, lease, opts);
-      await new Promise((r) => setTimeout(r, 50));
-      await takeLease(vid, lease, opts);
+    aroundNaming(w, async (take) => {
+      await pause(50);
+      await take();
       w.host.ops.push('lease names the device');
-    };
+    });
     const named = async (): Promise<void> => {
       w.host.ops.push(`lease names ${(await w.volumes.lease(id, NODE))?.device ?? 'nothing'}`);
     };
@@ -294,17 +306,14 @@ describe("what this host's page cache remembers of a device never decides", () =
   it('formats nothing when it lost the format lock while its lease was being written', async () => {
     const w = await world({ lock: { heartbeatMs: 20 } });
     const { id, image } = await newVolume(w);
-    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
-    w.d.volumes.takeLease = async (vid, lease, opts) => {
-      if (lease.device !== undefined) {
-        // Cut off from the pool meanwhile: another node took the format lock over once this one had it.
-        const lock = path.join(w.pool.layout.locksDir, `${vid}.format.lock`);
-        while (!(await fs.stat(lock).catch(() => undefined))) await new Promise((r) => setTimeout(r, 5));
-        await fs.writeFile(lock, '{}');
-        await new Promise((r) => setTimeout(r, 150));
-      }
-      return takeLease(vid, lease, opts);
-    };
+    aroundNaming(w, async (take, vid) => {
+      // Cut off from the pool meanwhile: another node took the format lock over once this one had it.
+      const lock = path.join(w.pool.layout.locksDir, `${vid}.format.lock`);
+      while (!(await fs.stat(lock).catch(() => undefined))) await pause(5);
+      await fs.writeFile(lock, '{}');
+      await pause(150);
+      return take();
+    });
     expect(await codeOf(stage(w, id))).toBe('ABORTED');
     expect(formats(w)).toEqual([]);
     expect(w.host.content.get(image)).toBeUndefined();
@@ -412,13 +421,11 @@ describe('a stage that fails undoes what it did', () => {
   it('formats nothing when its lease cannot name the device (detached from this node meanwhile), and undoes it all', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
-    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
-    w.d.volumes.takeLease = async (vid, lease, opts) => {
-      if (lease.device === undefined) return takeLease(vid, lease, opts);
-      await new Promise((r) => setTimeout(r, 50)); // the probe runs meanwhile
+    aroundNaming(w, async (_take, vid) => {
+      await pause(50); // the probe runs meanwhile
       w.host.ops.push('lease refused');
       throw conflict(`Volume ${vid} was detached from node ${NODE}; publish it to this node again first.`);
-    };
+    });
     expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
     const ops = w.host.ops;
     expect(ops.indexOf('probe /dev/loop0')).toBeLessThan(ops.indexOf('lease refused'));
@@ -431,15 +438,14 @@ describe('a stage that fails undoes what it did', () => {
   it('undoes its lease only once the record naming the device is written, when the probe fails first', async () => {
     const w = await world();
     const { id } = await newVolume(w);
-    const takeLease = w.d.volumes.takeLease.bind(w.d.volumes);
-    w.d.volumes.takeLease = async (vid, lease, opts) => {
-      if (lease.device !== undefined) await new Promise((r) => setTimeout(r, 50));
-      return takeLease(vid, lease, opts);
-    };
+    aroundNaming(w, async (take) => {
+      await pause(50);
+      return take();
+    });
     w.host.failNext('probe');
     expect(await codeOf(stage(w, id))).toBe('INTERNAL');
     // A rollback that did not wait would drop the lease first and see the record written again after.
-    await new Promise((r) => setTimeout(r, 100));
+    await pause(100);
     await expectNothingLeft(w, id);
   });
 
