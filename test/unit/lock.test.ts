@@ -7,7 +7,7 @@ import { afterAll, describe, expect, it, vi } from 'vitest';
 import { bindExec, type Runner } from '../../src/exec/runner.js';
 import { Capacity } from '../../src/pool/capacity.js';
 import { growImage } from '../../src/pool/images.js';
-import { isHeld, LockManager } from '../../src/pool/lock.js';
+import { type HeldLock, isHeld, LockManager } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
 import { Pool } from '../../src/pool/pool.js';
 import { VolumeStore } from '../../src/pool/volumes.js';
@@ -127,12 +127,17 @@ describe('LockManager', () => {
     if (isHeld(got)) await got.release();
   });
 
-  it('a holder whose lock was taken over stops acting under it', async () => {
-    const dir = await tempDir('lock5');
+  /** Lock `k` held in a fresh directory, with a 400 ms lease renewed every 30 ms. */
+  async function heldBriefly(tag: string): Promise<{ dir: string; got: HeldLock }> {
+    const dir = await tempDir(tag);
     dirs.push(dir);
-    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
-    const got = await locks.tryAcquire('k', 'holder');
+    const got = await new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 }).tryAcquire('k', 'holder');
     if (!isHeld(got)) throw new Error('not held');
+    return { dir, got };
+  }
+
+  it('a holder whose lock was taken over stops acting under it', async () => {
+    const { dir, got } = await heldBriefly('lock5');
     expect(got.signal.aborted).toBe(false);
     got.assertHeld();
     // Another host broke it (say, after our process stalled) and wrote its own.
@@ -150,11 +155,7 @@ describe('LockManager', () => {
   });
 
   it('a holder whose renewals never answer (a hung pool) stops acting under it within half a lease', async () => {
-    const dir = await tempDir('lock6');
-    dirs.push(dir);
-    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
-    const got = await locks.tryAcquire('k', 'holder');
-    if (!isHeld(got)) throw new Error('not held');
+    const { got } = await heldBriefly('lock6');
     // The pool's server went away under a hard mount: reads hang, they never fail.
     const hang = vi.spyOn(fs, 'open').mockImplementation(() => new Promise(() => undefined));
     try {
@@ -170,11 +171,7 @@ describe('LockManager', () => {
   });
 
   it('a holder stalled past half a lease is told at its next check, before its renewal timer runs', async () => {
-    const dir = await tempDir('lock7');
-    dirs.push(dir);
-    const locks = new LockManager(dir, log, { leaseMs: 400, heartbeatMs: 30 });
-    const got = await locks.tryAcquire('k', 'holder');
-    if (!isHeld(got)) throw new Error('not held');
+    const { got } = await heldBriefly('lock7');
     got.assertHeld();
     // A process stopped or starved for longer than half a lease: no timer ran meanwhile.
     const until = performance.now() + 250;
@@ -222,11 +219,19 @@ describe('LockManager', () => {
 });
 
 describe('work under a lock that is lost', () => {
-  it('leaves what it made to whoever took the lock over, instead of discarding it', async () => {
-    const dir = await tempDir('lost-lock');
+  /** A pool whose locks are renewed every 20 ms: a lock taken over is found lost at once. */
+  async function quickPool(tag: string): Promise<{ pool: Pool; volumes: VolumeStore }> {
+    const dir = await tempDir(tag);
     dirs.push(dir);
     const pool = await Pool.open(dir, 'test', log, { create: true, lock: { heartbeatMs: 20 } });
-    const volumes = new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log);
+    return {
+      pool,
+      volumes: new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log),
+    };
+  }
+
+  it('leaves what it made to whoever took the lock over, instead of discarding it', async () => {
+    const { pool, volumes } = await quickPool('lost-lock');
     const meta = volumeMeta('pv-lost', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
     const { id } = meta;
     const created = volumes.create(meta, async (_image, lock) => {
@@ -250,10 +255,7 @@ describe('work under a lock that is lost', () => {
   });
 
   it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
-    const dir = await tempDir('lost-fence');
-    dirs.push(dir);
-    const pool = await Pool.open(dir, 'test', log, { create: true, lock: { heartbeatMs: 20 } });
-    const volumes = new VolumeStore(pool, new Capacity(pool.layout, 1), new NodeRegistry(pool.layout), log);
+    const { pool, volumes } = await quickPool('lost-fence');
     const meta = volumeMeta('pv-fence', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
     await volumes.create(meta, async (image) => {
       await fs.writeFile(image, '');
