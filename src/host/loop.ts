@@ -7,6 +7,14 @@
  * losetup's BACK-MAJ:MIN and BACK-INO columns). The path sysfs shows is only a hint: the kernel prints
  * it as the mount namespace of the process that attached it saw it, so a plugin in a new container
  * reads something like /volumes/vol-…/disk.img for an image it knows as /var/lib/loopvol/pool/….
+ *
+ * What is learnt of an attachment (its backing identity: from the attach itself, or from losetup) is
+ * kept under the device's disk sequence number (sysfs `diskseq`, kernels from 5.15): the kernel gives
+ * the device a new one from a counter that never goes back whenever it is attached, detached or given
+ * another file (LOOP_CHANGE_FD), and at nothing else (not a resize, a sector size, direct I/O, a mount).
+ * The same number read again is the same attachment, so its identity is not asked of losetup again
+ * (a process per look, on the path of every publish, unpublish and unstage). Without `diskseq`, every
+ * look asks losetup.
  */
 import { existsSync, readFileSync } from 'node:fs';
 import fs, { type FileHandle } from 'node:fs/promises';
@@ -16,7 +24,7 @@ import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.j
 import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { isSectorSize } from '../pool/types.js';
 import { freshReading, whileCalling } from './fresh.js';
-import { type FileId, sameFile } from './paths.js';
+import { devToMajorMinor, type FileId, sameFile } from './paths.js';
 
 export interface LoopDevice {
   name: string;
@@ -29,6 +37,8 @@ export interface LoopDevice {
   readOnly: boolean;
   directIo: boolean;
   sizeBytes: number;
+  /** The attachment's disk sequence number as sysfs showed it when read; undefined before kernel 5.15. */
+  seq?: string;
 }
 
 const SYS_BLOCK = '/sys/block';
@@ -60,10 +70,23 @@ export function readLoop(name: string): Promise<LoopDevice | undefined> {
 }
 
 function loopFromSysfs(name: string): LoopDevice | undefined {
-  const base = path.join(SYS_BLOCK, name);
   // The loop/ directory exists only while the device is attached. Asking first costs a third of the
   // failed open of backing_file (whose error object is what costs), and most devices are detached.
-  if (!existsSync(path.join(base, 'loop'))) return undefined;
+  if (!existsSync(path.join(SYS_BLOCK, name, 'loop'))) return undefined;
+  // Read between two readings of its disk sequence number: a device whose number stayed the same
+  // showed one attachment throughout. One that changed meanwhile is read again, and after a few tries
+  // is given without a number (nothing is then learnt of it, or taken as known).
+  for (let attempt = 0; ; attempt++) {
+    const seq = readSeq(name);
+    const loop = attachmentFromSysfs(name);
+    if (!loop || seq === undefined) return loop;
+    if (readSeq(name) === seq) return { ...loop, seq };
+    if (attempt === 3) return loop;
+  }
+}
+
+function attachmentFromSysfs(name: string): LoopDevice | undefined {
+  const base = path.join(SYS_BLOCK, name);
   const backingFile = readSys(path.join(base, 'loop', 'backing_file'));
   if (backingFile === undefined) return undefined; // not attached
   const [ro, dio, size, dev] = [
@@ -84,6 +107,23 @@ function loopFromSysfs(name: string): LoopDevice | undefined {
   };
 }
 
+const readSeq = (name: string): string | undefined => readSys(path.join(SYS_BLOCK, name, 'diskseq'));
+
+/** Backing identities learnt, by device name, with the attachment (and the path it showed) they belong to. */
+const learnt = new Map<string, { seq: string; shown: string; id: FileId }>();
+
+/** Keeps `id` as `loop`'s backing identity, for as long as the device keeps the attachment `loop` was read in. */
+function learn(loop: LoopDevice, id: FileId | undefined): void {
+  if (loop.seq !== undefined && id !== undefined)
+    learnt.set(loop.name, { seq: loop.seq, shown: shownPath(loop), id });
+}
+
+/** The backing identity learnt of the attachment `loop` was read in, if any. */
+function known(loop: LoopDevice): FileId | undefined {
+  const k = learnt.get(loop.name);
+  return k !== undefined && k.seq === loop.seq && k.shown === shownPath(loop) ? k.id : undefined;
+}
+
 /** The backing path as sysfs shows it, without the " (deleted)" that appears once the file is unlinked. */
 const shownPath = (l: LoopDevice): string =>
   l.backingFile.endsWith(DELETED_SUFFIX) ? l.backingFile.slice(0, -DELETED_SUFFIX.length) : l.backingFile;
@@ -100,6 +140,7 @@ export const isDeletedBacking = (l: LoopDevice): boolean => l.backingFile.endsWi
 async function stillBacks(x: Exec, loop: LoopDevice): Promise<boolean> {
   const now = await readLoop(loop.name);
   if (!now) return false;
+  if (loop.seq !== undefined && now.seq === loop.seq) return true; // the same attachment
   if (loop.backing) {
     const id = (await backingIdentities(x, loop.path)).get(loop.name);
     if (id) return sameFile(id, loop.backing);
@@ -157,7 +198,10 @@ export async function listLoops(
   identify: (l: LoopDevice) => boolean = () => true,
 ): Promise<LoopDevice[]> {
   const loops = await attachedLoops();
-  if (!loops.some(identify)) return loops.map((l) => ({ ...l }));
+  const asked = loops.filter(identify);
+  if (asked.every((l) => known(l) !== undefined)) {
+    return loops.map((l) => (identify(l) ? { ...l, backing: known(l) } : { ...l }));
+  }
   // A caller that stops waiting (cancelled, or past its deadline) judges by path, as it did when its
   // own losetup was killed: rollbacks, whose scope has a deadline of its own, still finish.
   const ids = await whileCalling(x, allBackingIdentities(x)).catch((err: unknown) => {
@@ -165,6 +209,9 @@ export async function listLoops(
     x.log.warn("stopped waiting for the loop devices' backing inodes; judging them by path only");
     return new Map<string, FileId>();
   });
+  // losetup began after `loops` were read: an attachment whose number is still the same now is the
+  // one losetup described.
+  for (const l of asked) if (l.seq !== undefined && readSeq(l.name) === l.seq) learn(l, ids.get(l.name));
   return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : { ...l }));
 }
 
@@ -208,8 +255,14 @@ export async function attachLoop(
     // larger, the kernel then uses buffered I/O (the stage says so). Every other device keeps the
     // kernel's choice; the image is read only when it came up with more than 512.
     const pinned = pinnedPath(h);
-    if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, opts);
-    const loop = await attachChecked(x, image, pinned, id, opts);
+    // What the handle holds, asked while losetup runs: the identity is kept for the attachment only
+    // when the image checked is the one judged before (`id`).
+    const held = h.stat({ bigint: true }).then(
+      (st): FileId => ({ dev: devToMajorMinor(st.dev), ino: st.ino.toString() }),
+      () => undefined,
+    );
+    if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, held, opts);
+    const loop = await attachChecked(x, image, pinned, id, held, opts);
     const was = await loopSectorSize(loop);
     if (was <= 512) return loop;
     const unit = await filesystemUnitOf(h);
@@ -242,6 +295,7 @@ async function attachChecked(
   image: string,
   pinned: string,
   id: FileId | undefined,
+  held: Promise<FileId | undefined>,
   opts: AttachOptions,
 ): Promise<LoopDevice> {
   // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
@@ -264,6 +318,7 @@ async function attachChecked(
         await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
         throw notAnImage(image);
       }
+      if (sameFile(await held, id)) learn(loop, id);
       return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;
