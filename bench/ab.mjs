@@ -3,14 +3,19 @@
 //   npm run build && node bench/ab.mjs <other checkout, built> [ext4,xfs,btrfs,block] [rounds]
 //
 // Both drivers run at once, each on a pool of its own, as deployed (`npm start`'s Node flags). Each
-// round provisions a volume on each (CreateVolume, ControllerPublishVolume: untimed), then times
-// NodeStageVolume and NodeUnstageVolume, the two drivers taking turns, first one then the other
-// first: on a shared machine whose speed drifts by 2x within minutes, only calls made side by side
-// compare. Prints the median of each call per driver and their ratio (this checkout / the other).
+// round takes a volume on each through every call of its life (CreateVolume to DeleteVolume, timed
+// one by one), the two drivers taking turns, first one then the other first: on a shared machine
+// whose speed drifts by 2x within minutes, only calls made side by side compare. Prints the median of
+// each call per driver and their ratio (this checkout / the other), and of provision-to-writable
+// (CreateVolume to NodePublishVolume) and teardown (NodeUnpublishVolume to DeleteVolume) as sums.
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
-import { GiB, REPO, capOf, cleanup, median, stageUnstage, startDriver } from './lib.mjs';
+import { GiB, REPO, capOf, cleanup, lifecycleTimes, median, startDriver } from './lib.mjs';
+
+const PROVISION = ['CreateVolume', 'ControllerPublishVolume', 'NodeStageVolume', 'NodePublishVolume'];
+const TEARDOWN = ['NodeUnpublishVolume', 'NodeUnstageVolume', 'ControllerUnpublishVolume', 'DeleteVolume'];
+const sum = (t, calls) => calls.reduce((acc, c) => acc + t[c], 0);
 
 const [other, kindList = 'ext4,xfs,btrfs,block', roundsArg = '15'] = process.argv.slice(2);
 if (!other) {
@@ -38,23 +43,22 @@ try {
   const rows = [];
   for (const kind of kindList.split(',')) {
     const cap = capOf(kind);
-    const ms = { this: { stage: [], unstage: [] }, other: { stage: [], unstage: [] } };
+    const ms = { this: {}, other: {} };
     // Round -1 warms both up, untimed.
     for (let i = -1; i < rounds; i++) {
       for (const { name, d } of i % 2 ? drivers : [...drivers].reverse()) {
-        const staging = path.join(d.pool, '..', `st-${kind}-${i}`);
-        const t = await stageUnstage(d, `ab-${kind}-${i}`, cap, GiB, staging);
-        if (i >= 0) {
-          ms[name].stage.push(t.stageMs);
-          ms[name].unstage.push(t.unstageMs);
-        }
+        const t = await lifecycleTimes(d, `ab-${kind}-${i}`, cap, GiB, path.join(d.pool, '..'));
+        if (i < 0) continue;
+        t['provision-to-writable'] = sum(t, PROVISION);
+        t.teardown = sum(t, TEARDOWN);
+        for (const [call, v] of Object.entries(t)) (ms[name][call] ??= []).push(v);
       }
     }
-    for (const call of ['stage', 'unstage']) {
+    for (const call of Object.keys(ms.this)) {
       const a = median(ms.this[call]);
       const b = median(ms.other[call]);
       rows.push({
-        call: `Node${call === 'stage' ? 'Stage' : 'Unstage'}Volume`,
+        call,
         kind,
         'this ms': Math.round(a * 10) / 10,
         'other ms': Math.round(b * 10) / 10,

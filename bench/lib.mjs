@@ -261,3 +261,55 @@ export async function stageUnstage(d, name, cap, sizeBytes, staging) {
   await d.c.controller.DeleteVolume({ volume_id: id });
   return { id, stageMs: t1 - t0, unstageMs: t2 - t1 };
 }
+
+/**
+ * One volume through every call of its life on `d`, as the CO and the kubelet make them: CreateVolume,
+ * ControllerPublishVolume, NodeStageVolume, NodePublishVolume, then NodeUnpublishVolume,
+ * NodeUnstageVolume, ControllerUnpublishVolume, DeleteVolume. Returns each call's time in ms, by name.
+ */
+export async function lifecycleTimes(d, name, cap, sizeBytes, dir) {
+  const ms = {};
+  const timed = async (call, fn) => {
+    const t0 = now();
+    const out = await fn();
+    ms[call] = now() - t0;
+    return out;
+  };
+  const { controller: cs, node: ns } = d.c;
+  const v = await timed('CreateVolume', () =>
+    cs.CreateVolume({
+      name,
+      capacity_range: { required_bytes: String(sizeBytes) },
+      volume_capabilities: [cap],
+    }),
+  );
+  const id = v.volume.volume_id;
+  const pub = await timed('ControllerPublishVolume', () =>
+    cs.ControllerPublishVolume({ volume_id: id, node_id: 'bench-node', volume_capability: cap }),
+  );
+  const staging = path.join(dir, `st-${name}`);
+  const target = path.join(dir, `tg-${name}`);
+  await fs.mkdir(staging, { recursive: true });
+  const ctx = { publish_context: pub.publish_context, volume_context: v.volume.volume_context };
+  await timed('NodeStageVolume', () =>
+    ns.NodeStageVolume({ volume_id: id, staging_target_path: staging, volume_capability: cap, ...ctx }),
+  );
+  await timed('NodePublishVolume', () =>
+    ns.NodePublishVolume({
+      volume_id: id,
+      staging_target_path: staging,
+      target_path: target,
+      volume_capability: cap,
+      ...ctx,
+    }),
+  );
+  await timed('NodeUnpublishVolume', () => ns.NodeUnpublishVolume({ volume_id: id, target_path: target }));
+  await timed('NodeUnstageVolume', () =>
+    ns.NodeUnstageVolume({ volume_id: id, staging_target_path: staging }),
+  );
+  await timed('ControllerUnpublishVolume', () =>
+    cs.ControllerUnpublishVolume({ volume_id: id, node_id: 'bench-node' }),
+  );
+  await timed('DeleteVolume', () => cs.DeleteVolume({ volume_id: id }));
+  return ms;
+}
