@@ -82,7 +82,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           volumeId: r.id,
           detail: `${r.what} ${r.id} (${r.record.value.name}) was never finished (its record says "creating")${r.partial ? ', with a partial image' : ''}`,
           action: r.group
-            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it.`
+            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it, and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged.`
             : `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
         });
       }
@@ -159,7 +159,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
         kind: 'unfinished-creation',
         subject: `groups/${g.id}`,
         detail: `group snapshot ${g.id} (${g.record.value.name}) was never finished (its record says "creating"); its ${g.record.value.snapshotIds.length} member snapshots are neither listed nor restorable, and hold their space`,
-        action: `Nothing was ever returned for it: a retry of CreateVolumeGroupSnapshot (the CO retries) makes it whole, or a DeleteVolumeGroupSnapshot of ${g.id} removes it with its members.`,
+        action: `Nothing was ever returned for it: a retry of CreateVolumeGroupSnapshot (the CO retries) makes it whole, or a DeleteVolumeGroupSnapshot of ${g.id} removes it with its members, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
       });
     }
     if (g.record.state === 'damaged') {

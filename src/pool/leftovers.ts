@@ -1,35 +1,48 @@
 /**
- * What crashed creations left: a volume or snapshot whose record still says "creating" (a partial image
- * with it, maybe). Nothing was ever returned for it, so nothing refers to it; a CO retries the create
- * (which clears it first), but one that gave up (its PVC or VolumeSnapshot deleted meanwhile) never
- * retries, and never deletes what it was never told of. A controller clears them: it looks when it
- * starts and every few minutes, and discards one only when two looks in a row saw it unchanged (its
- * record, its partial image) and its pool lock is free (a create at work, in any process, holds it);
- * under that lock it is read again. A lock a crashed process left in another container counts as held
- * until it has stayed unchanged for the lock lease (lock.ts), which is shorter than a look's interval.
+ * What crashed creations left: a volume, snapshot or volume group snapshot whose record still says
+ * "creating" (a partial image with it, maybe; a group's member snapshots with a group). Nothing was
+ * ever returned for it, so nothing refers to it; a CO retries the create (which clears it first), but
+ * one that gave up (its PVC, VolumeSnapshot or VolumeGroupSnapshot deleted meanwhile) never retries,
+ * and never deletes what it was never told of. A controller clears them: it looks when it starts and
+ * every few minutes, and discards one only when two looks in a row saw it unchanged (its record, its
+ * partial image; a group's record and each member's record and images) and its pool lock is free (a
+ * create at work, in any process, holds it); under that lock it is read again. A lock a crashed process
+ * left in another container counts as held until it has stayed unchanged for the lock lease (lock.ts),
+ * which is shorter than a look's interval.
  *
  * Left alone: a directory without a record (it may be one an operator is copying back: a restore
  * writes the image before the record), records that cannot be read (an operator decides: `loopvol
- * check`), and members of a group snapshot (the group's create or delete clears them).
+ * check`), and members of a group snapshot on their own (they go with their group: its create, its
+ * delete, or this sweep of an unfinished group).
  */
 import fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { mapLimit, repeat, type Repeating } from '../limit.js';
 import { listDir, type RecordRead } from './fsutil.js';
-import { isSnapshotId, isVolumeId } from './ids.js';
+import { isGroupSnapshotId, isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
-import type { RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
+import type { GroupSnapshotMeta, RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
 
 /** How often a controller looks for unfinished creations (longer than the lock lease, lock.ts). */
 export const DISCARD_EVERY_MS = 5 * 60_000;
 
+/** What the sweep needs of the snapshot store beyond reading records: a group's record, and its delete. */
+export interface LeftoverStores extends RecordReaders {
+  snapshots: RecordReaders['snapshots'] & {
+    inspectGroup: (id: string) => Promise<RecordRead<GroupSnapshotMeta>>;
+    deleteGroup: (id: string, memberIds: readonly string[]) => Promise<void>;
+  };
+}
+
 interface Kind {
-  what: 'volume' | 'snapshot';
+  what: 'volume' | 'snapshot' | 'group snapshot';
   dir: string;
   isId: (id: string) => boolean;
-  inspect: (id: string) => Promise<RecordRead<VolumeMeta | SnapshotMeta>>;
+  /** What an unfinished creation looks like now; undefined when `id` is not one. */
+  fingerprint: (id: string) => Promise<string | undefined>;
   dirOf: (id: string) => string;
-  partialOf: (id: string) => string;
+  /** Removes it (called under its lock, once it was seen unchanged). */
+  discard: (id: string) => Promise<void>;
 }
 
 export class LeftoverSweeper {
@@ -39,26 +52,51 @@ export class LeftoverSweeper {
 
   constructor(
     private readonly pool: Pool,
-    stores: RecordReaders,
+    stores: LeftoverStores,
     private readonly log: Logger,
   ) {
     const l = pool.layout;
+    const { snapshots } = stores;
+    const snapshot = (id: string) => created(snapshots.inspect(id), l.snapshotImageTemp(id));
     this.kinds = [
       {
         what: 'volume',
         dir: l.volumesDir,
         isId: isVolumeId,
-        inspect: (id) => stores.volumes.inspect(id),
+        fingerprint: async (id) =>
+          ownCreation(await created(stores.volumes.inspect(id), l.volumeImageTemp(id))),
         dirOf: (id) => l.volumeDir(id),
-        partialOf: (id) => l.volumeImageTemp(id),
+        discard: (id) => pool.discard(l.volumeDir(id)),
       },
       {
         what: 'snapshot',
         dir: l.snapshotsDir,
         isId: isSnapshotId,
-        inspect: (id) => stores.snapshots.inspect(id),
+        fingerprint: async (id) => ownCreation(await snapshot(id)),
         dirOf: (id) => l.snapshotDir(id),
-        partialOf: (id) => l.snapshotImageTemp(id),
+        discard: (id) => pool.discard(l.snapshotDir(id)),
+      },
+      {
+        what: 'group snapshot',
+        dir: l.groupsDir,
+        isId: isGroupSnapshotId,
+        // The group's record and, for each member, its record, its partial image and its image (a
+        // member's copy ends in a rename, and members are marked ready one by one).
+        fingerprint: async (id) => {
+          const r = await snapshots.inspectGroup(id);
+          if (r.state !== 'ok' || r.value.state !== 'creating') return undefined;
+          const members = await Promise.all(
+            r.value.snapshotIds.map(async (m) =>
+              isSnapshotId(m) ? { ...(await snapshot(m)), image: await statOf(l.snapshotImage(m)) } : null,
+            ),
+          );
+          return JSON.stringify([r.value, members]);
+        },
+        dirOf: (id) => l.groupDir(id),
+        discard: async (id) => {
+          const r = await snapshots.inspectGroup(id);
+          if (r.state === 'ok') await snapshots.deleteGroup(id, r.value.snapshotIds);
+        },
       },
     ];
   }
@@ -75,7 +113,7 @@ export class LeftoverSweeper {
       const ids = (await listDir(k.dir)).filter(k.isId);
       await mapLimit(ids, 16, async (id) => {
         const key = `${k.what}:${id}`;
-        const now = await fingerprint(k, id);
+        const now = await k.fingerprint(id);
         if (now === undefined) return;
         if (previous.get(key) !== now || !(await this.discard(k, id, now))) seen.set(key, now);
         else discarded.push(k.dirOf(id));
@@ -89,31 +127,50 @@ export class LeftoverSweeper {
   private async discard(k: Kind, id: string, expected: string): Promise<boolean> {
     // Held: a create at work right now, in this process or another. Its own to finish or clear.
     const done = await this.pool.withLockIfFree(id, 'discard an unfinished creation', async () => {
-      if ((await fingerprint(k, id)) !== expected) return false;
-      await this.pool.discard(k.dirOf(id));
-      this.log.warn({ [`${k.what}Id`]: id }, `discarded an unfinished ${k.what} creation a crash left`);
+      if ((await k.fingerprint(id)) !== expected) return false;
+      await k.discard(id);
+      this.log.warn(
+        { [`${k.what === 'group snapshot' ? 'groupSnapshot' : k.what}Id`]: id },
+        `discarded an unfinished ${k.what} creation a crash left`,
+      );
       return true;
     });
     return done === true;
   }
 }
 
+/** A record as read, with the partial image beside it (its size, time and inode), when it is there. */
+async function created<T>(
+  record: Promise<RecordRead<T>>,
+  partial: string,
+): Promise<{ record: RecordRead<T>; partial: number[] | null }> {
+  const [r, p] = await Promise.all([record, statOf(partial)]);
+  return { record: r, partial: p };
+}
+
+async function statOf(file: string): Promise<number[] | null> {
+  const st = await fs.stat(file).catch(() => undefined);
+  return st ? [st.size, st.mtimeMs, st.ino] : null;
+}
+
 /**
  * What an unfinished creation of its own (not a group's member) looks like now: its record and its
- * partial image. Undefined when `id` is not one.
+ * partial image. Undefined when it is not one.
  */
-async function fingerprint(k: Kind, id: string): Promise<string | undefined> {
-  const r = await k.inspect(id);
+function ownCreation(c: {
+  record: RecordRead<VolumeMeta | SnapshotMeta>;
+  partial: number[] | null;
+}): string | undefined {
+  const r = c.record;
   if (r.state !== 'ok' || r.value.state !== 'creating') return undefined;
   if ('groupSnapshotId' in r.value && r.value.groupSnapshotId !== '') return undefined;
-  const partial = await fs.stat(k.partialOf(id)).catch(() => undefined);
-  return JSON.stringify([r.value, partial ? [partial.size, partial.mtimeMs, partial.ino] : null]);
+  return JSON.stringify([r.value, c.partial]);
 }
 
 /** Looks now and every `everyMs` until stopped; logs what it did. */
 export function startDiscarding(
   pool: Pool,
-  stores: RecordReaders,
+  stores: LeftoverStores,
   log: Logger,
   everyMs = DISCARD_EVERY_MS,
 ): Repeating {

@@ -1,8 +1,9 @@
 /**
- * What crashed creations left is cleared by the controller (pool/leftovers.ts): a "creating" volume or
- * snapshot that two looks saw unchanged, whose lock nobody holds. What may stand for data, or is
- * someone's at work, stays: a damaged record, a directory without a record (an operator copying a
- * volume back), a group snapshot's member, a creation whose lock is held or that changed. On a real pool.
+ * What crashed creations left is cleared by the controller (pool/leftovers.ts): a "creating" volume,
+ * snapshot or group snapshot (with its members) that two looks saw unchanged, whose lock nobody holds.
+ * What may stand for data, or is someone's at work, stays: a damaged record, a directory without a
+ * record (an operator copying a volume back), a group snapshot's member on its own, a creation whose
+ * lock is held or that changed. On a real pool.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -94,6 +95,46 @@ describe('unfinished creations a crash left', () => {
       [l.volumeDir(held), l.volumeDir(changing)].sort(),
     );
     for (const d of kept) expect(await present(d)).toBe(true);
+  });
+
+  it('an unfinished group snapshot goes with its members once two looks saw it, members included, unchanged and free; a finished one stays', async () => {
+    const w = await controllerWorld();
+    const l = w.pool.layout;
+    const a = volumeIdOf(await w.CreateVolume('ga'));
+    const b = volumeIdOf(await w.CreateVolume('gb'));
+    const group = async (name: string) => {
+      const g = (await w.CreateVolumeGroupSnapshot(name, [a, b])).group_snapshot;
+      return {
+        id: g?.group_snapshot_id ?? '',
+        members: (g?.snapshots ?? []).map((s) => s.snapshot_id ?? ''),
+      };
+    };
+    const unfinished = await group('unfinished');
+    const done = await group('done');
+    expect(unfinished.members).toHaveLength(2);
+    // A crash while the second member was copied: the group and that member say "creating", its
+    // image is still the partial one.
+    const [first, second] = unfinished.members as [string, string];
+    await edit(l.groupMeta(unfinished.id), { state: 'creating' });
+    await edit(l.snapshotMeta(second), { state: 'creating' });
+    await fs.rename(l.snapshotImage(second), l.snapshotImageTemp(second));
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    const gone = [l.groupDir(unfinished.id), l.snapshotDir(first), l.snapshotDir(second)];
+    const kept = [l.groupDir(done.id), ...done.members.map((m) => l.snapshotDir(m))];
+    const all = async () => Promise.all([...gone, ...kept].map(present));
+
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
+    // A member written meanwhile (a copy at work): the group is not the one the last look saw.
+    await fs.appendFile(l.snapshotImageTemp(second), Buffer.alloc(4096, 1));
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
+    // Unchanged since, but held (a retried create at work).
+    const held = await w.pool.withLock(unfinished.id, 'a create at work', () => sweeper.look());
+    expect(held).toEqual({ discarded: [], waiting: 1 });
+    expect(await all()).toEqual([...gone, ...kept].map(() => true));
+
+    expect(await sweeper.look()).toEqual({ discarded: [l.groupDir(unfinished.id)], waiting: 0 });
+    expect(await all()).toEqual([...gone.map(() => false), ...kept.map(() => true)]);
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 0 });
   });
 
   it('are looked for by a controller when it starts', async () => {
