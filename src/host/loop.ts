@@ -8,15 +8,18 @@
  * it as the mount namespace of the process that attached it saw it, so a plugin in a new container
  * reads something like /volumes/vol-…/disk.img for an image it knows as /var/lib/loopvol/pool/….
  *
- * What is learnt of an attachment (its backing identity: from the attach itself, or from losetup) is
- * kept under the device's disk sequence number (sysfs `diskseq`, kernels from 5.15): the kernel gives
- * the device a new one from a counter that never goes back whenever it is attached, detached or given
- * another file (LOOP_CHANGE_FD), and at nothing else (not a resize, a sector size, direct I/O, a mount).
- * The same number read again is the same attachment, so its identity is not asked of losetup again
- * (a process per look, on the path of every publish, unpublish and unstage). Without `diskseq`, every
- * look asks losetup.
+ * The identity losetup reported is kept under the device's disk sequence number (sysfs `diskseq`): from
+ * kernel 6.5 (b90ecc0379eb, "block: increment diskseq on all media change events") the kernel gives the
+ * device a new one, from a counter that never goes back, whenever it is attached, detached or given
+ * another file (LOOP_CHANGE_FD), and at nothing else (not a resize, a sector size, direct I/O, a
+ * mount). The same number read again is the same attachment, so its identity is not asked of losetup
+ * again (a process per look, on the path of every publish, unpublish and unstage). Kernels 5.15 to
+ * 6.4 show the number but, unless patched, leave it alone when a loop device is attached or detached:
+ * there, and without `diskseq`, every look asks losetup. Nothing is learnt at an attach: losetup opens
+ * the image by its name, so what the kernel holds is known only by asking it.
  */
 import { existsSync, readFileSync } from 'node:fs';
+import os from 'node:os';
 import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import { errnoCode } from '../errors.js';
@@ -24,7 +27,7 @@ import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.j
 import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { isSectorSize } from '../pool/types.js';
 import { freshReading, whileCalling } from './fresh.js';
-import { devToMajorMinor, type FileId, sameFile } from './paths.js';
+import { type FileId, sameFile } from './paths.js';
 
 export interface LoopDevice {
   name: string;
@@ -37,7 +40,7 @@ export interface LoopDevice {
   readOnly: boolean;
   directIo: boolean;
   sizeBytes: number;
-  /** The attachment's disk sequence number as sysfs showed it when read; undefined before kernel 5.15. */
+  /** The attachment's disk sequence number as sysfs showed it when read; undefined before kernel 6.5. */
   seq?: string;
 }
 
@@ -107,14 +110,24 @@ function attachmentFromSysfs(name: string): LoopDevice | undefined {
   };
 }
 
-const readSeq = (name: string): string | undefined => readSys(path.join(SYS_BLOCK, name, 'diskseq'));
+/** Whether a kernel of this release changes a loop device's `diskseq` at every attach and detach (6.5 on). */
+export function trustsDiskseq(release: string): boolean {
+  const m = /^(\d+)\.(\d+)/.exec(release);
+  if (!m) return false;
+  const [major, minor] = [Number(m[1]), Number(m[2])];
+  return major > 6 || (major === 6 && minor >= 5);
+}
+const DISKSEQ = trustsDiskseq(os.release());
+
+const readSeq = (name: string): string | undefined =>
+  DISKSEQ ? readSys(path.join(SYS_BLOCK, name, 'diskseq')) : undefined;
 
 /** Backing identities learnt, by device name, with the attachment (and the path it showed) they belong to. */
 const learnt = new Map<string, { seq: string; shown: string; id: FileId }>();
 
 /** Keeps `id` as `loop`'s backing identity, for as long as the device keeps the attachment `loop` was read in. */
 function learn(loop: LoopDevice, id: FileId | undefined): void {
-  if (loop.seq !== undefined && id !== undefined)
+  if (loop.seq !== undefined && id !== undefined && loop.backingFile !== '')
     learnt.set(loop.name, { seq: loop.seq, shown: shownPath(loop), id });
 }
 
@@ -122,6 +135,17 @@ function learn(loop: LoopDevice, id: FileId | undefined): void {
 function known(loop: LoopDevice): FileId | undefined {
   const k = learnt.get(loop.name);
   return k !== undefined && k.seq === loop.seq && k.shown === shownPath(loop) ? k.id : undefined;
+}
+
+/**
+ * `loop` read again from sysfs, with the identity it was judged by. Its sequence number stays only when
+ * it is the same attachment: a device detached and reused since is not taken for `loop`'s (stillBacks).
+ */
+async function reread(loop: LoopDevice): Promise<LoopDevice> {
+  const now = await readLoop(loop.name);
+  if (!now) return loop;
+  const { seq, ...rest } = now;
+  return { ...rest, backing: loop.backing, ...(seq !== undefined && seq === loop.seq ? { seq } : {}) };
 }
 
 /** The backing path as sysfs shows it, without the " (deleted)" that appears once the file is unlinked. */
@@ -140,7 +164,14 @@ export const isDeletedBacking = (l: LoopDevice): boolean => l.backingFile.endsWi
 async function stillBacks(x: Exec, loop: LoopDevice): Promise<boolean> {
   const now = await readLoop(loop.name);
   if (!now) return false;
-  if (loop.seq !== undefined && now.seq === loop.seq) return true; // the same attachment
+  // The same attachment, still showing its file (one being detached shows none before its number changes).
+  if (
+    loop.seq !== undefined &&
+    now.seq === loop.seq &&
+    now.backingFile !== '' &&
+    shownPath(now) === shownPath(loop)
+  )
+    return true;
   if (loop.backing) {
     const id = (await backingIdentities(x, loop.path)).get(loop.name);
     if (id) return sameFile(id, loop.backing);
@@ -210,9 +241,18 @@ export async function listLoops(
     return new Map<string, FileId>();
   });
   // losetup began after `loops` were read: an attachment whose number is still the same now is the
-  // one losetup described.
-  for (const l of asked) if (l.seq !== undefined && readSeq(l.name) === l.seq) learn(l, ids.get(l.name));
-  return loops.map((l) => (identify(l) ? { ...l, backing: ids.get(l.name) } : { ...l }));
+  // one losetup described. One whose number changed meanwhile keeps none (losetup may have described
+  // its successor), so it is never taken for the same attachment later (stillBacks).
+  return loops.map((l) => {
+    if (!identify(l)) return { ...l };
+    const backing = ids.get(l.name);
+    if (l.seq !== undefined && readSeq(l.name) === l.seq) {
+      learn(l, backing);
+      return { ...l, backing };
+    }
+    const { seq: _changed, ...rest } = l;
+    return { ...rest, backing };
+  });
 }
 
 export interface AttachOptions {
@@ -255,14 +295,8 @@ export async function attachLoop(
     // larger, the kernel then uses buffered I/O (the stage says so). Every other device keeps the
     // kernel's choice; the image is read only when it came up with more than 512.
     const pinned = pinnedPath(h);
-    // What the handle holds, asked while losetup runs: the identity is kept for the attachment only
-    // when the image checked is the one judged before (`id`).
-    const held = h.stat({ bigint: true }).then(
-      (st): FileId => ({ dev: devToMajorMinor(st.dev), ino: st.ino.toString() }),
-      () => undefined,
-    );
-    if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, held, opts);
-    const loop = await attachChecked(x, image, pinned, id, held, opts);
+    if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, opts);
+    const loop = await attachChecked(x, image, pinned, id, opts);
     const was = await loopSectorSize(loop);
     if (was <= 512) return loop;
     const unit = await filesystemUnitOf(h);
@@ -273,7 +307,7 @@ export async function attachLoop(
       { device: loop.path, was, sector: unit },
       'set the sector size of the filesystem the image holds',
     );
-    return { ...((await readLoop(loop.name)) ?? loop), backing: id };
+    return reread(loop);
   });
 }
 
@@ -295,7 +329,6 @@ async function attachChecked(
   image: string,
   pinned: string,
   id: FileId | undefined,
-  held: Promise<FileId | undefined>,
   opts: AttachOptions,
 ): Promise<LoopDevice> {
   // No --nooverlap: it would hand back an existing read-write device when a read-only one is asked for.
@@ -318,7 +351,6 @@ async function attachChecked(
         await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
         throw notAnImage(image);
       }
-      if (sameFile(await held, id)) learn(loop, id);
       return { ...loop, backing: id };
     } catch (err) {
       lastErr = err;
@@ -359,6 +391,5 @@ export async function detachLoop(x: Exec, loop: LoopDevice): Promise<boolean> {
 /** Makes the loop device see the image's current size (after the image grew). */
 export async function refreshLoopSize(x: Exec, loop: LoopDevice): Promise<LoopDevice> {
   await x.run('losetup', ['--set-capacity', loop.path], { timeoutMs: 30_000 });
-  const now = await readLoop(loop.name);
-  return now ? { ...now, backing: loop.backing } : loop;
+  return reread(loop);
 }
