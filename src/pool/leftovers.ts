@@ -16,15 +16,21 @@
  * delete, or this sweep of an unfinished group).
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import type { Logger } from 'pino';
 import { mapLimit, repeat, type Repeating } from '../limit.js';
-import { listDir, type RecordRead } from './fsutil.js';
+import { listDir, type RecordRead, removeStaleTemps } from './fsutil.js';
 import { isGroupSnapshotId, isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
 import type { GroupSnapshotMeta, RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
 
 /** How often a controller looks for unfinished creations (longer than the lock lease, lock.ts). */
 export const DISCARD_EVERY_MS = 5 * 60_000;
+/**
+ * How old a record's temporary file must be to count as left by a killed writer: an hour, far beyond
+ * any write, and beyond the clock skew between a shared pool's server and its clients.
+ */
+export const TEMP_AGE_MS = 60 * 60_000;
 
 /** What the sweep needs of the snapshot store beyond reading records: a group's record, and its delete. */
 export interface LeftoverStores extends RecordReaders {
@@ -123,6 +129,22 @@ export class LeftoverSweeper {
     return { discarded, waiting: seen.size };
   }
 
+  /**
+   * Removes the temporary files killed writers left (fsutil's writeTemp) older than `ageMs` where the
+   * pool's own records live: its root, nodes/, each node's index and locks/. (A volume's or a
+   * snapshot's go with its directory.) Returns the files removed.
+   */
+  async removeLeftTemps(ageMs = TEMP_AGE_MS): Promise<string[]> {
+    const l = this.pool.layout;
+    const indexes = (await listDir(l.nodesDir))
+      .filter((n) => n.endsWith('.attached'))
+      .map((n) => path.join(l.nodesDir, n));
+    const removed: string[] = [];
+    for (const dir of [l.root, l.nodesDir, l.locksDir, ...indexes])
+      removed.push(...(await removeStaleTemps(dir, ageMs)));
+    return removed;
+  }
+
   /** Discards `id` under its lock if it is still as `expected`; false when held or changed. */
   private async discard(k: Kind, id: string, expected: string): Promise<boolean> {
     // Held: a create at work right now, in this process or another. Its own to finish or clear.
@@ -175,8 +197,22 @@ export function startDiscarding(
   everyMs = DISCARD_EVERY_MS,
 ): Repeating {
   const sweeper = new LeftoverSweeper(pool, stores, log);
-  return repeat(everyMs, () =>
-    sweeper.look().then(
+  const temps = (): Promise<void> =>
+    sweeper.removeLeftTemps().then(
+      (removed) => {
+        if (removed.length > 0)
+          log.info(
+            { count: removed.length, files: removed.slice(0, 10) },
+            'removed temporary files killed writers left',
+          );
+      },
+      (err: unknown) => {
+        log.warn({ err }, 'could not look for temporary files killed writers left; trying again later');
+      },
+    );
+  return repeat(everyMs, async () => {
+    await temps();
+    await sweeper.look().then(
       ({ discarded, waiting }) => {
         if (discarded.length > 0)
           log.warn({ count: discarded.length }, 'discarded unfinished creations crashes left');
@@ -189,6 +225,6 @@ export function startDiscarding(
       (err: unknown) => {
         log.error({ err }, 'could not look for unfinished creations to discard; trying again later');
       },
-    ),
-  );
+    );
+  });
 }

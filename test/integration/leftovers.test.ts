@@ -137,6 +137,34 @@ describe('unfinished creations a crash left', () => {
     expect(await sweeper.look()).toEqual({ discarded: [], waiting: 0 });
   });
 
+  it("temporary files killed writers left go once an hour old, from the pool's own directories", async () => {
+    const w = await controllerWorld();
+    const l = w.pool.layout;
+    const vol = volumeIdOf(await w.CreateVolume('with-a-temp'));
+    await w.d.nodes.register('n1', 'test', 10);
+    const at = (dir: string, name = '.x.json.tmp-0123456789ab') => path.join(dir, name);
+    const old = [
+      at(l.root, '.pool.json.tmp-00000000000a'),
+      at(l.nodesDir, '.n1.alive.tmp-00000000000b'),
+      at(l.locksDir, `.${vol}.lock.tmp-00000000000c`),
+      at(l.nodeAttachedDir('n1')),
+    ];
+    const young = at(l.nodesDir, '.n1.alive.tmp-00000000000d');
+    const inVolume = at(l.volumeDir(vol), '.fences.json.tmp-00000000000e');
+    const hourAgo = new Date(Date.now() - 3600_000 - 60_000);
+    for (const f of [...old, young, inVolume]) {
+      await fs.writeFile(f, '{"torn');
+      if (f !== young) await fs.utimes(f, hourAgo, hourAgo);
+    }
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    expect((await sweeper.removeLeftTemps()).sort()).toEqual([...old].sort());
+    expect(await Promise.all([...old, young, inVolume].map(present))).toEqual([
+      ...old.map(() => false),
+      true,
+      true,
+    ]);
+  });
+
   it('are looked for by a controller when it starts', async () => {
     const w = await controllerWorld();
     await leftovers(w);
