@@ -16,6 +16,7 @@ import { bindExec, type Exec, ExecRunner, type RunOptions, type RunScope } from 
 import {
   attachLoop,
   detachLoop,
+  type LoopDevice,
   listLoops,
   readLoop,
   refreshLoopSize,
@@ -78,6 +79,36 @@ async function release(device: string, dir: string): Promise<void> {
   if (now?.backingFile.startsWith(`${dir}/`)) sh('losetup', ['--detach', device]);
 }
 
+/**
+ * Attaches `image` through the driver, runs `before` (which may replace `image`), then detaches the
+ * device and attaches `next` (by default `image`, as it is now) to the same device, and runs what
+ * `before` returned. Another test may take the freed device first: then all of it is tried again.
+ */
+async function attachedAnew(
+  dir: string,
+  image: string,
+  before: (c: ReturnType<typeof countingExec> & { loop: LoopDevice }) => Promise<() => Promise<void>>,
+  next = image,
+): Promise<void> {
+  for (let attempt = 0; attempt < 5; attempt++) {
+    const c = countingExec();
+    const loop = await attachLoop(c.x, image, await idOf(image), { readOnly: false, directIo: false });
+    let device = loop.path;
+    try {
+      const after = await before({ ...c, loop });
+      if (!reattach(loop.path, next)) {
+        device = '';
+        continue;
+      }
+      await after();
+      return;
+    } finally {
+      if (device) await release(device, dir);
+    }
+  }
+  throw new Error('no loop device could be attached twice in a row');
+}
+
 /** What the kernel holds behind `device`, as losetup reads it (LOOP_GET_STATUS64): "major:minor:inode". */
 function kernelHolds(device: string): string {
   const out = JSON.parse(
@@ -135,59 +166,42 @@ describe.runIf(isRoot())("a loop device's backing identity", () => {
   it('is asked again once the device was attached anew, to another file at the same path', async () => {
     const dir = await env.dir('loop-identity-again');
     const a = await image(dir, 'disk.img', 'A');
-    for (let attempt = 0; attempt < 5; attempt++) {
-      const { x, ran } = countingExec();
-      const loop = await attachLoop(x, a, await idOf(a), { readOnly: false, directIo: false });
-      let device = loop.path;
-      try {
-        await listLoops(x, (l) => l.name === loop.name); // learnt (on kernels that allow it)
-        const asked = listings(ran).length;
-        // Another file takes the image's path (renamed over it), and the device is attached to it: the
-        // path sysfs shows is the same, the attachment is not.
-        await fs.rename(await image(dir, 'b.img', 'B'), a);
-        const other = await idOf(a);
-        if (!reattach(loop.path, a)) {
-          device = '';
-          continue;
-        }
+    await attachedAnew(dir, a, async ({ x, ran, loop }) => {
+      await listLoops(x, (l) => l.name === loop.name); // learnt (on kernels that allow it)
+      const asked = listings(ran).length;
+      // Another file takes the image's path (renamed over it), and the device is attached to it: the
+      // path sysfs shows is the same, the attachment is not.
+      await fs.rename(await image(dir, 'b.img', 'B'), a);
+      const other = await idOf(a);
+      return async () => {
         const seen = await listLoops(x, (l) => l.name === loop.name);
         expect(seen.find((l) => l.name === loop.name)?.backing).toEqual(other);
         expect(listings(ran).length).toBe(asked + 1);
         // A device read before the change is not detached for it: what it was attached to is gone.
         expect(await detachLoop(x, loop)).toBe(true);
         expect((await readLoop(loop.name))?.backingFile).toBe(a);
-        return;
-      } finally {
-        if (device) await release(device, dir);
-      }
-    }
-    throw new Error('no loop device could be attached twice in a row');
+      };
+    });
   });
 
   it('is not taken from a device re-read after it was attached anew (a resize of a reused device)', async () => {
     const dir = await env.dir('loop-identity-reread');
     const a = await image(dir, 'a.img', 'A');
     const b = await image(dir, 'b.img', 'B');
-    for (let attempt = 0; attempt < 5; attempt++) {
-      const { x } = countingExec();
-      const loop = await attachLoop(x, a, await idOf(a), { readOnly: false, directIo: false });
-      let device = loop.path;
-      try {
+    await attachedAnew(
+      dir,
+      a,
+      async ({ x, loop }) => {
         const seen = (await listLoops(x, (l) => l.name === loop.name)).find((l) => l.name === loop.name);
         if (!seen) throw new Error(`${loop.path} is not attached`);
-        if (!reattach(loop.path, b)) {
-          device = '';
-          continue;
-        }
-        // The reused device is made to see its image's size: the re-read shows b.img's attachment.
-        const refreshed = await refreshLoopSize(x, seen);
-        expect(await detachLoop(x, refreshed)).toBe(true);
-        expect((await readLoop(loop.name))?.backingFile).toBe(b);
-        return;
-      } finally {
-        if (device) await release(device, dir);
-      }
-    }
-    throw new Error('no loop device could be attached twice in a row');
+        return async () => {
+          // The reused device is made to see its image's size: the re-read shows b.img's attachment.
+          const refreshed = await refreshLoopSize(x, seen);
+          expect(await detachLoop(x, refreshed)).toBe(true);
+          expect((await readLoop(loop.name))?.backingFile).toBe(b);
+        };
+      },
+      b,
+    );
   });
 });
