@@ -22,7 +22,7 @@ import { existsSync, readFileSync } from 'node:fs';
 import os from 'node:os';
 import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
-import { errnoCode } from '../errors.js';
+import { busy, errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
 import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { isSectorSize } from '../pool/types.js';
@@ -138,14 +138,21 @@ function known(loop: LoopDevice): FileId | undefined {
 }
 
 /**
- * `loop` read again from sysfs, with the identity it was judged by. Its sequence number stays only when
- * it is the same attachment: a device detached and reused since is not taken for `loop`'s (stillBacks).
+ * Whether `a` and `b`, two readings of one device, show the same attachment: by sequence number where
+ * both have one, else (kernels before 6.5) by the path shown.
+ */
+const sameAttachment = (a: LoopDevice, b: LoopDevice): boolean =>
+  a.seq !== undefined && b.seq !== undefined ? a.seq === b.seq : shownPath(a) === shownPath(b);
+
+/**
+ * `loop` read again from sysfs, with the identity it was judged by. A device detached meanwhile (and
+ * maybe attached to another file) is not `loop`'s any more: ABORTED, and nothing of it is used.
  */
 async function reread(loop: LoopDevice): Promise<LoopDevice> {
   const now = await readLoop(loop.name);
-  if (!now) return loop;
-  const { seq, ...rest } = now;
-  return { ...rest, backing: loop.backing, ...(seq !== undefined && seq === loop.seq ? { seq } : {}) };
+  if (!now || !sameAttachment(now, loop))
+    throw busy(`${loop.path} was detached meanwhile (by another process); try again.`);
+  return { ...now, backing: loop.backing };
 }
 
 /** The backing path as sysfs shows it, without the " (deleted)" that appears once the file is unlinked. */
@@ -164,14 +171,12 @@ export const isDeletedBacking = (l: LoopDevice): boolean => l.backingFile.endsWi
 async function stillBacks(x: Exec, loop: LoopDevice): Promise<boolean> {
   const now = await readLoop(loop.name);
   if (!now) return false;
-  // The same attachment, still showing its file (one being detached shows none before its number changes).
-  if (
-    loop.seq !== undefined &&
-    now.seq === loop.seq &&
-    now.backingFile !== '' &&
-    shownPath(now) === shownPath(loop)
-  )
-    return true;
+  if (loop.seq !== undefined && now.seq !== undefined) {
+    // Another attachment since (its number changed), or this one still showing its file (one being
+    // detached shows none before its number changes).
+    if (now.seq !== loop.seq) return false;
+    if (now.backingFile !== '' && shownPath(now) === shownPath(loop)) return true;
+  }
   if (loop.backing) {
     const id = (await backingIdentities(x, loop.path)).get(loop.name);
     if (id) return sameFile(id, loop.backing);
@@ -241,17 +246,15 @@ export async function listLoops(
     return new Map<string, FileId>();
   });
   // losetup began after `loops` were read: an attachment whose number is still the same now is the
-  // one losetup described. One whose number changed meanwhile keeps none (losetup may have described
-  // its successor), so it is never taken for the same attachment later (stillBacks).
+  // one losetup described. For one whose number changed meanwhile, losetup may have described its
+  // successor: it is judged by the path read with it, and its number (now out of date) keeps any later
+  // look from taking it for what is attached now (stillBacks).
   return loops.map((l) => {
     if (!identify(l)) return { ...l };
     const backing = ids.get(l.name);
-    if (l.seq !== undefined && readSeq(l.name) === l.seq) {
-      learn(l, backing);
-      return { ...l, backing };
-    }
-    const { seq: _changed, ...rest } = l;
-    return { ...rest, backing };
+    if (l.seq !== undefined && readSeq(l.name) !== l.seq) return { ...l, backing: undefined };
+    learn(l, backing);
+    return { ...l, backing };
   });
 }
 
@@ -378,7 +381,7 @@ export async function detachLoop(x: Exec, loop: LoopDevice): Promise<boolean> {
   // LOOP_CLR_FD is asynchronous while the device is open somewhere; give it a moment.
   for (let i = 0; i < 50; i++) {
     const still = await readLoop(loop.name);
-    if (!still || shownPath(still) !== shownPath(loop)) return true;
+    if (!still || !sameAttachment(still, loop)) return true;
     await new Promise((r) => setTimeout(r, 20));
   }
   x.log.warn(

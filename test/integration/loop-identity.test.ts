@@ -184,7 +184,7 @@ describe.runIf(isRoot())("a loop device's backing identity", () => {
     });
   });
 
-  it('is not taken from a device re-read after it was attached anew (a resize of a reused device)', async () => {
+  it('is not taken from a device re-read after it was attached anew to another file (a resize of a reused device)', async () => {
     const dir = await env.dir('loop-identity-reread');
     const a = await image(dir, 'a.img', 'A');
     const b = await image(dir, 'b.img', 'B');
@@ -195,13 +195,25 @@ describe.runIf(isRoot())("a loop device's backing identity", () => {
         const seen = (await listLoops(x, (l) => l.name === loop.name)).find((l) => l.name === loop.name);
         if (!seen) throw new Error(`${loop.path} is not attached`);
         return async () => {
-          // The reused device is made to see its image's size: the re-read shows b.img's attachment.
-          const refreshed = await refreshLoopSize(x, seen);
-          expect(await detachLoop(x, refreshed)).toBe(true);
+          // The reused device is made to see its image's size: the re-read shows b.img's attachment,
+          // which is not taken for the one read before (ABORTED), nor detached.
+          await expect(refreshLoopSize(x, seen)).rejects.toThrow(/detached meanwhile/);
           expect((await readLoop(loop.name))?.backingFile).toBe(b);
         };
       },
       b,
+    );
+  });
+
+  it('is not taken for a device attached anew to the same file (another process staging it again)', async () => {
+    const dir = await env.dir('loop-identity-same');
+    const a = await image(dir, 'a.img', 'A');
+    await attachedAnew(dir, a, ({ x, loop }) =>
+      Promise.resolve(async () => {
+        // Read before the other process detached it and attached the same image again: not this one.
+        if (trusted) expect(await detachLoop(x, loop)).toBe(true);
+        expect((await readLoop(loop.name))?.backingFile).toBe(a);
+      }),
     );
   });
 });
