@@ -106,7 +106,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
           if (existing) {
             ctx.log.warn({ groupSnapshotId: v.id }, 'redoing an interrupted group snapshot from scratch');
             groupLock.assertHeld();
-            await snapshots.deleteGroup(v.id, existing.snapshotIds);
+            await snapshots.deleteGroup(v.id, existing.snapshotIds, groupLock);
           }
           const memberIds = sources.map((s) => groupMemberIdFor(v.id, s.id));
           const group: GroupSnapshotMeta = {
@@ -171,7 +171,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
             // it): what is there is that process's, not this one's to clear.
             if (groupLock.signal.aborted) throw err;
             // Nothing of a failed group is kept: its members are copies nobody may use.
-            await snapshots.deleteGroup(v.id, memberIds).catch((cleanupErr: unknown) => {
+            await snapshots.deleteGroup(v.id, memberIds, groupLock).catch((cleanupErr: unknown) => {
               ctx.log.error(
                 { groupSnapshotId: v.id, err: cleanupErr },
                 'could not remove a failed group snapshot',
@@ -202,7 +202,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
           const group = record.value;
           checkListed(group, listed);
           groupLock.assertHeld();
-          await snapshots.deleteGroup(id, group.snapshotIds);
+          await snapshots.deleteGroup(id, group.snapshotIds, groupLock);
           return {};
         });
       },

@@ -20,6 +20,7 @@ import path from 'node:path';
 import type { Logger } from 'pino';
 import { mapLimit, repeat, type Repeating } from '../limit.js';
 import { listDir, type RecordRead, removeStaleTemps } from './fsutil.js';
+import type { HeldLock } from './lock.js';
 import { isGroupSnapshotId, isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
 import type { GroupSnapshotMeta, RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
@@ -36,7 +37,7 @@ export const TEMP_AGE_MS = 60 * 60_000;
 export interface LeftoverStores extends RecordReaders {
   snapshots: RecordReaders['snapshots'] & {
     inspectGroup: (id: string) => Promise<RecordRead<GroupSnapshotMeta>>;
-    deleteGroup: (id: string, memberIds: readonly string[]) => Promise<void>;
+    deleteGroup: (id: string, memberIds: readonly string[], lock: HeldLock) => Promise<void>;
   };
 }
 
@@ -48,7 +49,7 @@ interface Kind {
   fingerprint: (id: string) => Promise<string | undefined>;
   dirOf: (id: string) => string;
   /** Removes it (called under its lock, once it was seen unchanged). */
-  discard: (id: string) => Promise<void>;
+  discard: (id: string, lock: HeldLock) => Promise<void>;
 }
 
 export class LeftoverSweeper {
@@ -87,7 +88,8 @@ export class LeftoverSweeper {
         dir: l.groupsDir,
         isId: isGroupSnapshotId,
         // The group's record and, for each member, its record, its partial image and its image (a
-        // member's copy ends in a rename, and members are marked ready one by one).
+        // member's copy ends in a rename, and members are marked ready one by one). A group with a
+        // member whose record cannot be read is left to an operator, as such a record is.
         fingerprint: async (id) => {
           const r = await snapshots.inspectGroup(id);
           if (r.state !== 'ok' || r.value.state !== 'creating') return undefined;
@@ -96,12 +98,13 @@ export class LeftoverSweeper {
               isSnapshotId(m) ? { ...(await snapshot(m)), image: await statOf(l.snapshotImage(m)) } : null,
             ),
           );
+          if (members.some((m) => m?.record.state === 'damaged')) return undefined;
           return JSON.stringify([r.value, members]);
         },
         dirOf: (id) => l.groupDir(id),
-        discard: async (id) => {
+        discard: async (id, lock) => {
           const r = await snapshots.inspectGroup(id);
-          if (r.state === 'ok') await snapshots.deleteGroup(id, r.value.snapshotIds);
+          if (r.state === 'ok') await snapshots.deleteGroup(id, r.value.snapshotIds, lock);
         },
       },
     ];
@@ -119,10 +122,18 @@ export class LeftoverSweeper {
       const ids = (await listDir(k.dir)).filter(k.isId);
       await mapLimit(ids, 16, async (id) => {
         const key = `${k.what}:${id}`;
-        const now = await k.fingerprint(id);
-        if (now === undefined) return;
-        if (previous.get(key) !== now || !(await this.discard(k, id, now))) seen.set(key, now);
-        else discarded.push(k.dirOf(id));
+        try {
+          const now = await k.fingerprint(id);
+          if (now === undefined) return;
+          if (previous.get(key) !== now || !(await this.discard(k, id, now))) seen.set(key, now);
+          else discarded.push(k.dirOf(id));
+        } catch (err) {
+          // This one only: the others are looked at all the same. It is looked at anew next time.
+          this.log.warn(
+            { err, [idField(k)]: id },
+            `could not look at or discard an unfinished ${k.what}; trying again at the next look`,
+          );
+        }
       });
     }
     this.seen = seen;
@@ -148,18 +159,26 @@ export class LeftoverSweeper {
   /** Discards `id` under its lock if it is still as `expected`; false when held or changed. */
   private async discard(k: Kind, id: string, expected: string): Promise<boolean> {
     // Held: a create at work right now, in this process or another. Its own to finish or clear.
-    const done = await this.pool.withLockIfFree(id, 'discard an unfinished creation', async () => {
+    const done = await this.pool.withLockIfFree(id, 'discard an unfinished creation', async (lock) => {
       if ((await k.fingerprint(id)) !== expected) return false;
-      await k.discard(id);
-      this.log.warn(
-        { [`${k.what === 'group snapshot' ? 'groupSnapshot' : k.what}Id`]: id },
-        `discarded an unfinished ${k.what} creation a crash left`,
-      );
+      lock.assertHeld();
+      try {
+        await k.discard(id, lock);
+      } catch (err) {
+        // Not "held": a group's member whose lock is busy stops the discard half-way, which is said.
+        if (lock.signal.aborted) throw err;
+        throw new Error(`discarding ${k.what} ${id} stopped half-way; the next looks finish it`, {
+          cause: err,
+        });
+      }
+      this.log.warn({ [idField(k)]: id }, `discarded an unfinished ${k.what} creation a crash left`);
       return true;
     });
     return done === true;
   }
 }
+
+const idField = (k: Kind): string => `${k.what === 'group snapshot' ? 'groupSnapshot' : k.what}Id`;
 
 /** A record as read, with the partial image beside it (its size, time and inode), when it is there. */
 async function created<T>(

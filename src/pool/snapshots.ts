@@ -193,6 +193,9 @@ export class SnapshotStore {
         return;
       }
       const meta = record.value;
+      // A group's delete takes only its own members: an id its record lists that is another
+      // snapshot's (a record edited by hand) stays.
+      if (fromGroup !== undefined && meta.groupSnapshotId !== fromGroup) return;
       if (
         meta.groupSnapshotId &&
         meta.groupSnapshotId !== fromGroup &&
@@ -267,10 +270,17 @@ export class SnapshotStore {
     await writeFileAtomic(this.layout.groupMeta(meta.id), json(meta));
   }
 
-  /** Deletes a group snapshot and its members; absent is success. */
-  async deleteGroup(id: string, memberIds: readonly string[]): Promise<void> {
+  /**
+   * Deletes a group snapshot and its members; absent is success. `lock` is the group's: each step
+   * commits only while it is still held (lost, another process may own the group by now).
+   */
+  async deleteGroup(id: string, memberIds: readonly string[], lock: HeldLock): Promise<void> {
     if (!isGroupSnapshotId(id)) return;
-    for (const member of memberIds) await this.delete(member, id);
+    for (const member of memberIds) {
+      lock.assertHeld();
+      await this.delete(member, id);
+    }
+    lock.assertHeld();
     await this.pool.discard(this.layout.groupDir(id));
   }
 }

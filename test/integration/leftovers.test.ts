@@ -7,7 +7,9 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
+import { busy } from '../../src/errors.js';
+import type { HeldLock } from '../../src/pool/lock.js';
 import { LeftoverSweeper } from '../../src/pool/leftovers.js';
 import { log } from '../helpers/node-world.js';
 import {
@@ -97,8 +99,12 @@ describe('unfinished creations a crash left', () => {
     for (const d of kept) expect(await present(d)).toBe(true);
   });
 
-  it('an unfinished group snapshot goes with its members once two looks saw it, members included, unchanged and free; a finished one stays', async () => {
-    const w = await controllerWorld();
+  /**
+   * Two volumes, a finished group snapshot of them, a standalone snapshot, and a group a crash
+   * interrupted while its second member was copied: the group and both members say "creating", the
+   * first member's image is complete, the second's still the partial one.
+   */
+  async function interruptedGroup(w: ControllerWorld) {
     const l = w.pool.layout;
     const a = volumeIdOf(await w.CreateVolume('ga'));
     const b = volumeIdOf(await w.CreateVolume('gb'));
@@ -111,20 +117,36 @@ describe('unfinished creations a crash left', () => {
     };
     const unfinished = await group('unfinished');
     const done = await group('done');
+    const standalone = (await w.CreateSnapshot('standalone', a)).snapshot?.snapshot_id ?? '';
     expect(unfinished.members).toHaveLength(2);
-    // A crash while the second member was copied: the group and that member say "creating", its
-    // image is still the partial one.
     const [first, second] = unfinished.members as [string, string];
     await edit(l.groupMeta(unfinished.id), { state: 'creating' });
-    await edit(l.snapshotMeta(second), { state: 'creating' });
+    for (const m of [first, second]) await edit(l.snapshotMeta(m), { state: 'creating' });
     await fs.rename(l.snapshotImage(second), l.snapshotImageTemp(second));
+    return {
+      unfinished,
+      first,
+      second,
+      gone: [l.groupDir(unfinished.id), l.snapshotDir(first), l.snapshotDir(second)],
+      kept: [l.groupDir(done.id), ...done.members.map((m) => l.snapshotDir(m)), l.snapshotDir(standalone)],
+      standalone,
+    };
+  }
+
+  it('an unfinished group snapshot goes with its members once two looks saw it, members included, unchanged and free; a finished one stays', async () => {
+    const w = await controllerWorld();
+    const l = w.pool.layout;
+    const { unfinished, first, second, gone, kept, standalone } = await interruptedGroup(w);
+    // A record edited by hand that lists another snapshot among the group's: that one is not the group's.
+    await edit(l.groupMeta(unfinished.id), { snapshotIds: [first, second, standalone] });
     const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
-    const gone = [l.groupDir(unfinished.id), l.snapshotDir(first), l.snapshotDir(second)];
-    const kept = [l.groupDir(done.id), ...done.members.map((m) => l.snapshotDir(m))];
     const all = async () => Promise.all([...gone, ...kept].map(present));
 
     expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
-    // A member written meanwhile (a copy at work): the group is not the one the last look saw.
+    // A member's record rewritten meanwhile, then its partial image (a copy at work): each time the
+    // group is not the one the last look saw.
+    await edit(l.snapshotMeta(first), { sizeBytes: 1 });
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
     await fs.appendFile(l.snapshotImageTemp(second), Buffer.alloc(4096, 1));
     expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
     // Unchanged since, but held (a retried create at work).
@@ -135,6 +157,54 @@ describe('unfinished creations a crash left', () => {
     expect(await sweeper.look()).toEqual({ discarded: [l.groupDir(unfinished.id)], waiting: 0 });
     expect(await all()).toEqual([...gone.map(() => false), ...kept.map(() => true)]);
     expect(await sweeper.look()).toEqual({ discarded: [], waiting: 0 });
+  });
+
+  it("a group snapshot's discard stopped by a member's lock is said and finished by later looks", async () => {
+    const w = await controllerWorld();
+    const { second, gone, kept } = await interruptedGroup(w);
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
+    // The second member's lock is held (a restore from it, say) when the discard comes to it: the first
+    // member is gone by then, the group stays, and the look goes on.
+    const warn = vi.spyOn(log, 'warn');
+    const stopped = await w.pool.withLock(second, 'a restore at work', () => sweeper.look());
+    expect(stopped).toEqual({ discarded: [], waiting: 0 });
+    expect(warn.mock.calls.some(([, msg]) => String(msg).includes('could not look at or discard'))).toBe(
+      true,
+    );
+    warn.mockRestore();
+    expect(await present(gone[0] ?? '')).toBe(true);
+    expect(await sweeper.look()).toEqual({ discarded: [], waiting: 1 });
+    expect((await sweeper.look()).discarded).toEqual([gone[0]]);
+    expect(await Promise.all([...gone, ...kept].map(present))).toEqual([
+      ...gone.map(() => false),
+      ...kept.map(() => true),
+    ]);
+  });
+
+  it('a group snapshot with a member whose record cannot be read is left to an operator', async () => {
+    const w = await controllerWorld();
+    const { first, gone } = await interruptedGroup(w);
+    await fs.writeFile(w.pool.layout.snapshotMeta(first), '{"torn');
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    for (let i = 0; i < 3; i++) expect(await sweeper.look()).toEqual({ discarded: [], waiting: 0 });
+    expect(await Promise.all(gone.map(present))).toEqual(gone.map(() => true));
+  });
+
+  it("a group snapshot's delete commits nothing more once the group's lock is lost", async () => {
+    const w = await controllerWorld();
+    const { unfinished, gone } = await interruptedGroup(w);
+    let checks = 0;
+    const lock: HeldLock = {
+      signal: new AbortController().signal,
+      assertHeld: () => {
+        if (++checks > 1) throw busy('lost');
+      },
+      release: () => Promise.resolve(),
+    };
+    await expect(w.snapshots.deleteGroup(unfinished.id, unfinished.members, lock)).rejects.toThrow('lost');
+    // The first member went while the lock was held; the second and the group stay.
+    expect(await Promise.all(gone.map(present))).toEqual([true, false, true]);
   });
 
   it("temporary files killed writers left go once an hour old, from the pool's own directories", async () => {
