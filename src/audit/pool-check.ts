@@ -31,6 +31,10 @@ const GONE_NODE =
 export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] {
   const out: Finding[] = [];
   const locked = new Set(inv.locks.map((l) => l.key));
+  // Groups the controller's look discards when they stay unfinished (leftovers.ts).
+  const sweptGroups = new Set(
+    inv.groups.filter((g) => g.record.state === 'ok' && g.record.value.state === 'creating').map((g) => g.id),
+  );
   const add = (f: Omit<Finding, 'scope' | 'severity'>): void => {
     out.push({ scope: 'pool', severity: 'problem', ...f });
   };
@@ -82,7 +86,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           volumeId: r.id,
           detail: `${r.what} ${r.id} (${r.record.value.name}) was never finished (its record says "creating")${r.partial ? ', with a partial image' : ''}`,
           action: r.group
-            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it, and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged.`
+            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it${sweptGroups.has(r.group) ? ', and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged' : ''}.`
             : `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
         });
       }

@@ -219,6 +219,25 @@ describe('poolFindings', () => {
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation snap-left',
     ]);
+    // The controller's look discards a member only with its group, and only a group still "creating".
+    const sweeps = (f: { action: string }) => f.action.includes('the controller does');
+    expect(poolFindings(inv, opts).map(sweeps)).toEqual([false]);
+    inv.groups.push({
+      id: 'group-gone',
+      record: {
+        state: 'ok',
+        value: {
+          id: 'group-gone',
+          state: 'creating',
+          snapshotIds: ['snap-left'],
+        } as unknown as GroupSnapshotMeta,
+      },
+    });
+    expect(
+      poolFindings(inv, opts)
+        .filter((f) => f.volumeId === 'snap-left')
+        .map(sweeps),
+    ).toEqual([true]);
   });
   it('reports a group snapshot never finished (its members hidden), not one at work', () => {
     const inv = emptyInventory();
