@@ -175,13 +175,16 @@ export class SnapshotStore {
 
   /**
    * Deletes a snapshot; absent is success. A member of a group snapshot goes only with its group
-   * (INVALID_ARGUMENT, as the spec asks), unless `fromGroup` names that group.
+   * (INVALID_ARGUMENT, as the spec asks), unless `group` names that group (its delete, holding its
+   * lock: nothing is removed once that lock is lost).
    */
-  async delete(id: string, fromGroup?: string): Promise<void> {
+  async delete(id: string, group?: { id: string; lock: HeldLock }): Promise<void> {
     if (!isSnapshotId(id)) return;
+    const fromGroup = group?.id;
     await this.pool.withLock(id, 'DeleteSnapshot', async () => {
       const record = await this.inspect(id);
       if (record.state === 'absent') await this.pool.assertPresent(); // gone, or the pool not mounted?
+      group?.lock.assertHeld(); // after the waits: another process may own the group by now
       if (record.state !== 'ok') {
         // An unfinished copy goes; a snapshot whose record cannot be read is quarantined.
         await this.pool.clearLeftover(
@@ -195,7 +198,13 @@ export class SnapshotStore {
       const meta = record.value;
       // A group's delete takes only its own members: an id its record lists that is another
       // snapshot's (a record edited by hand) stays.
-      if (fromGroup !== undefined && meta.groupSnapshotId !== fromGroup) return;
+      if (fromGroup !== undefined && meta.groupSnapshotId !== fromGroup) {
+        this.log.warn(
+          { snapshotId: id, groupSnapshotId: fromGroup },
+          "group snapshot's record lists a snapshot that is not its member; it was left alone",
+        );
+        return;
+      }
       if (
         meta.groupSnapshotId &&
         meta.groupSnapshotId !== fromGroup &&
@@ -205,6 +214,7 @@ export class SnapshotStore {
           `Snapshot ${id} is part of group snapshot ${meta.groupSnapshotId}; delete the group snapshot instead.`,
         );
       }
+      group?.lock.assertHeld();
       await this.pool.discard(this.layout.snapshotDir(id));
     });
   }
@@ -276,10 +286,7 @@ export class SnapshotStore {
    */
   async deleteGroup(id: string, memberIds: readonly string[], lock: HeldLock): Promise<void> {
     if (!isGroupSnapshotId(id)) return;
-    for (const member of memberIds) {
-      lock.assertHeld();
-      await this.delete(member, id);
-    }
+    for (const member of memberIds) await this.delete(member, { id, lock });
     lock.assertHeld();
     await this.pool.discard(this.layout.groupDir(id));
   }

@@ -191,20 +191,29 @@ describe('unfinished creations a crash left', () => {
     expect(await Promise.all(gone.map(present))).toEqual(gone.map(() => true));
   });
 
-  it("a group snapshot's delete commits nothing more once the group's lock is lost", async () => {
-    const w = await controllerWorld();
-    const { unfinished, gone } = await interruptedGroup(w);
-    let checks = 0;
-    const lock: HeldLock = {
-      signal: new AbortController().signal,
-      assertHeld: () => {
-        if (++checks > 1) throw busy('lost');
-      },
-      release: () => Promise.resolve(),
-    };
-    await expect(w.snapshots.deleteGroup(unfinished.id, unfinished.members, lock)).rejects.toThrow('lost');
-    // The first member went while the lock was held; the second and the group stay.
-    expect(await Promise.all(gone.map(present))).toEqual([true, false, true]);
+  it("a group snapshot's delete commits nothing more once the group's lock is lost, up to its last step", async () => {
+    // The lock is asked about after each member's record is read (its lock waited for), right before
+    // each member goes, and before the group goes: lost at the n-th question.
+    const left = [];
+    for (const lostAt of [2, 3, 5]) {
+      const w = await controllerWorld();
+      const { unfinished, gone } = await interruptedGroup(w);
+      let checks = 0;
+      const lock: HeldLock = {
+        signal: new AbortController().signal,
+        assertHeld: () => {
+          if (++checks >= lostAt) throw busy('lost');
+        },
+        release: () => Promise.resolve(),
+      };
+      await expect(w.snapshots.deleteGroup(unfinished.id, unfinished.members, lock)).rejects.toThrow('lost');
+      left.push(await Promise.all(gone.map(present))); // [group, first member, second member]
+    }
+    expect(left).toEqual([
+      [true, true, true], // lost while the first member's lock was waited for: nothing went
+      [true, false, true], // the first member went while the lock was held
+      [true, false, false], // both members went; the group stays
+    ]);
   });
 
   it("temporary files killed writers left go once an hour old, from the pool's own directories", async () => {
