@@ -10,32 +10,8 @@ import { errnoCode } from '../errors.js';
 
 const tmpName = (file: string): string =>
   path.join(path.dirname(file), `.${path.basename(file)}.tmp-${randomBytes(6).toString('hex')}`);
-/** The names tmpName gives. */
-const TEMP_NAME = /^\..+\.tmp-[0-9a-f]{12}$/;
-
-/**
- * Removes the temporary files of this module (tmpName's) in `dir` that are regular files last changed
- * more than `ageMs` ago: what a writer killed between writing one and renaming it left. A writer still
- * at work has its file for milliseconds; one removed from under it fails its rename and is retried.
- * Returns the files removed.
- */
-export async function removeStaleTemps(dir: string, ageMs: number): Promise<string[]> {
-  const cutoff = Date.now() - ageMs;
-  const removed: string[] = [];
-  for (const name of (await listDir(dir)).filter((n) => TEMP_NAME.test(n))) {
-    const file = path.join(dir, name);
-    const st = await fs.lstat(file).catch(() => undefined);
-    if (!st?.isFile() || st.mtimeMs > cutoff) continue;
-    if (
-      await fs.unlink(file).then(
-        () => true,
-        () => false,
-      )
-    )
-      removed.push(file);
-  }
-  return removed;
-}
+/** Whether `name` is one tmpName gives (a record's temporary file). */
+export const isTempName = (name: string): boolean => /^\..+\.tmp-[0-9a-f]{12}$/.test(name);
 
 /*
  * Every await of a file operation is a trip through libuv's thread pool and back, about 0.1-0.15 ms of

@@ -19,8 +19,8 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { mapLimit, repeat, type Repeating } from '../limit.js';
-import { listDir, type RecordRead, removeStaleTemps } from './fsutil.js';
-import type { HeldLock } from './lock.js';
+import { isTempName, listDir, type RecordRead } from './fsutil.js';
+import { type HeldLock, isAsideName } from './lock.js';
 import { isGroupSnapshotId, isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
 import type { GroupSnapshotMeta, RecordReaders, SnapshotMeta, VolumeMeta } from './types.js';
@@ -28,8 +28,9 @@ import type { GroupSnapshotMeta, RecordReaders, SnapshotMeta, VolumeMeta } from 
 /** How often a controller looks for unfinished creations (longer than the lock lease, lock.ts). */
 export const DISCARD_EVERY_MS = 5 * 60_000;
 /**
- * How old a record's temporary file must be to count as left by a killed writer: an hour, far beyond
- * any write, and beyond the clock skew between a shared pool's server and its clients.
+ * How long a record's temporary file must stay unchanged to count as left by a killed writer: an hour,
+ * far beyond any write. Measured by this process's own clock from the look that first saw it so, never
+ * by the file's times (another host's clock, on a shared pool).
  */
 export const TEMP_AGE_MS = 60 * 60_000;
 
@@ -140,19 +141,47 @@ export class LeftoverSweeper {
     return { discarded, waiting: seen.size };
   }
 
+  /** The temporary files looks saw, by path: what they were (inode, size, times) and since when. */
+  private temps = new Map<string, { was: string; since: number }>();
+
   /**
-   * Removes the temporary files killed writers left (fsutil's writeTemp) older than `ageMs` where the
-   * pool's own records live: its root, nodes/, each node's index and locks/. (A volume's or a
-   * snapshot's go with its directory.) Returns the files removed.
+   * Removes what killed writers left where the pool's own records live (its root, nodes/, locks/): a
+   * record's temporary file (fsutil's writeTemp), or a stale lock moved aside to be broken, once looks
+   * saw it unchanged for `ageMs`. (A volume's or a snapshot's go with its directory.) Returns the files
+   * removed.
    */
   async removeLeftTemps(ageMs = TEMP_AGE_MS): Promise<string[]> {
     const l = this.pool.layout;
-    const indexes = (await listDir(l.nodesDir))
-      .filter((n) => n.endsWith('.attached'))
-      .map((n) => path.join(l.nodesDir, n));
+    const now = performance.now();
+    const seen = new Map<string, { was: string; since: number }>();
     const removed: string[] = [];
-    for (const dir of [l.root, l.nodesDir, l.locksDir, ...indexes])
-      removed.push(...(await removeStaleTemps(dir, ageMs)));
+    const places: [string, (name: string) => boolean][] = [
+      [l.root, isTempName],
+      [l.nodesDir, isTempName],
+      [l.locksDir, (n) => isTempName(n) || isAsideName(n)],
+    ];
+    for (const [dir, isLeft] of places) {
+      for (const name of (await listDir(dir)).filter(isLeft)) {
+        const file = path.join(dir, name);
+        const st = await fs.lstat(file).catch(() => undefined);
+        if (!st?.isFile()) continue;
+        const was = `${st.ino}:${st.size}:${st.mtimeMs}:${st.ctimeMs}`;
+        const before = this.temps.get(file);
+        const since = before?.was === was ? before.since : now;
+        if (before?.was === was && now - since >= ageMs) {
+          if (
+            await fs.unlink(file).then(
+              () => true,
+              () => false,
+            )
+          )
+            removed.push(file);
+          continue;
+        }
+        seen.set(file, { was, since });
+      }
+    }
+    this.temps = seen;
     return removed;
   }
 
@@ -214,10 +243,11 @@ export function startDiscarding(
   stores: LeftoverStores,
   log: Logger,
   everyMs = DISCARD_EVERY_MS,
+  tempAgeMs = TEMP_AGE_MS,
 ): Repeating {
   const sweeper = new LeftoverSweeper(pool, stores, log);
   const temps = (): Promise<void> =>
-    sweeper.removeLeftTemps().then(
+    sweeper.removeLeftTemps(tempAgeMs).then(
       (removed) => {
         if (removed.length > 0)
           log.info(

@@ -140,6 +140,10 @@ interface Sighting {
   since: number;
 }
 
+const ASIDE = '.stale-';
+/** Whether `name` is one a stale lock gets when it is moved aside to be broken. */
+export const isAsideName = (name: string): boolean => /^.+\.lock\.stale-[0-9a-f]{12}$/.test(name);
+
 export class LockManager {
   private readonly leaseMs: number;
   private readonly heartbeatMs: number;
@@ -234,7 +238,7 @@ export class LockManager {
 
   /** Moves the stale lock aside; only one breaker can win the rename, and it checks what it took. */
   private async breakStale(file: string, seen: LockOwner | undefined): Promise<boolean> {
-    const aside = `${file}.stale-${randomBytes(6).toString('hex')}`;
+    const aside = `${file}${ASIDE}${randomBytes(6).toString('hex')}`;
     try {
       await fs.rename(file, aside);
     } catch (err) {

@@ -10,7 +10,7 @@ import path from 'node:path';
 import { afterAll, describe, expect, it, vi } from 'vitest';
 import { busy } from '../../src/errors.js';
 import type { HeldLock } from '../../src/pool/lock.js';
-import { LeftoverSweeper } from '../../src/pool/leftovers.js';
+import { LeftoverSweeper, startDiscarding } from '../../src/pool/leftovers.js';
 import { log } from '../helpers/node-world.js';
 import {
   type ControllerWorld,
@@ -216,32 +216,58 @@ describe('unfinished creations a crash left', () => {
     ]);
   });
 
-  it("temporary files killed writers left go once an hour old, from the pool's own directories", async () => {
+  it("what killed writers left in the pool's own directories goes once looks saw it unchanged long enough, whatever its times say", async () => {
     const w = await controllerWorld();
     const l = w.pool.layout;
     const vol = volumeIdOf(await w.CreateVolume('with-a-temp'));
-    await w.d.nodes.register('n1', 'test', 10);
-    const at = (dir: string, name = '.x.json.tmp-0123456789ab') => path.join(dir, name);
-    const old = [
-      at(l.root, '.pool.json.tmp-00000000000a'),
-      at(l.nodesDir, '.n1.alive.tmp-00000000000b'),
-      at(l.locksDir, `.${vol}.lock.tmp-00000000000c`),
-      at(l.nodeAttachedDir('n1')),
+    const left = [
+      path.join(l.root, '.pool.json.tmp-00000000000a'),
+      path.join(l.nodesDir, '.n1.alive.tmp-00000000000b'),
+      path.join(l.locksDir, `.${vol}.lock.tmp-00000000000c`),
+      path.join(l.locksDir, `${vol}.lock.stale-00000000000d`), // a lock moved aside to be broken
     ];
-    const young = at(l.nodesDir, '.n1.alive.tmp-00000000000d');
-    const inVolume = at(l.volumeDir(vol), '.fences.json.tmp-00000000000e');
-    const hourAgo = new Date(Date.now() - 3600_000 - 60_000);
-    for (const f of [...old, young, inVolume]) {
+    const written = path.join(l.nodesDir, '.n2.alive.tmp-00000000000e'); // a writer at work
+    const inVolume = path.join(l.volumeDir(vol), '.fences.json.tmp-00000000000f');
+    const future = new Date(Date.now() + 24 * 3600_000); // another host's clock, far ahead
+    for (const f of [...left, written, inVolume]) {
       await fs.writeFile(f, '{"torn');
-      if (f !== young) await fs.utimes(f, hourAgo, hourAgo);
+      await fs.utimes(f, future, future);
     }
     const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
-    expect((await sweeper.removeLeftTemps()).sort()).toEqual([...old].sort());
-    expect(await Promise.all([...old, young, inVolume].map(present))).toEqual([
-      ...old.map(() => false),
-      true,
-      true,
-    ]);
+    const all = [...left, written, inVolume];
+    // The first look only notes them; one unchanged since for the age given goes at a later look, and
+    // one changed meanwhile counts from the look that saw it change.
+    const age = 300;
+    const pause = () => new Promise((r) => setTimeout(r, age + 50));
+    expect(await sweeper.removeLeftTemps(age)).toEqual([]);
+    await pause();
+    await fs.appendFile(written, 'more');
+    expect((await sweeper.removeLeftTemps(age)).sort()).toEqual([...left].sort());
+    expect(await Promise.all(all.map(present))).toEqual([...left.map(() => false), true, true]);
+    expect(await sweeper.removeLeftTemps(age)).toEqual([]);
+    await pause();
+    expect(await sweeper.removeLeftTemps(age)).toEqual([written]);
+    // Not yet unchanged for an hour: stays.
+    const young = path.join(l.nodesDir, '.n1.alive.tmp-000000000010');
+    await fs.writeFile(young, '{"torn');
+    const hourly = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    expect(await hourly.removeLeftTemps()).toEqual([]);
+    expect(await hourly.removeLeftTemps()).toEqual([]);
+    expect(await present(young)).toBe(true);
+  });
+
+  it("removes what killed writers left from the controller's looks", async () => {
+    const w = await controllerWorld();
+    const temp = path.join(w.pool.layout.nodesDir, '.n1.alive.tmp-000000000011');
+    await fs.writeFile(temp, '{"torn');
+    const looks = startDiscarding(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log, 20, 0);
+    try {
+      for (let i = 0; i < 200 && (await present(temp)); i++) await new Promise((r) => setTimeout(r, 20));
+      expect(await present(temp)).toBe(false);
+    } finally {
+      looks.stop();
+      await looks.first;
+    }
   });
 
   it('are looked for by a controller when it starts', async () => {

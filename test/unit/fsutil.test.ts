@@ -1,6 +1,6 @@
 /**
  * writeFilesAtomic: several records replaced side by side, appearing in the order given, with no temp
- * file left behind whatever fails; removeStaleTemps, for the temp files of writers killed before that;
+ * file left behind whatever fails; isTempName, to find the temp files of writers killed before that;
  * readText, and sideBySide. On real files in a temporary directory.
  */
 import fs from 'node:fs/promises';
@@ -9,7 +9,7 @@ import path from 'node:path';
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import {
   readText,
-  removeStaleTemps,
+  isTempName,
   sideBySide,
   writeFileAtomic,
   writeFilesAtomic,
@@ -81,8 +81,8 @@ describe('writeFilesAtomic', () => {
   });
 });
 
-describe('removeStaleTemps', () => {
-  it("removes old temp files with the writer's own names, and nothing else", async () => {
+describe('isTempName', () => {
+  it("tells the writer's own temporary files, and nothing else", async () => {
     // The name a writer gives its temp file, as a writer killed before its rename would leave it.
     const opened: string[] = [];
     const open = fs.open.bind(fs);
@@ -92,39 +92,18 @@ describe('removeStaleTemps', () => {
     });
     await writeFileAtomic(path.join(dir, 'a', 'meta.json'), '{}\n');
     vi.restoreAllMocks();
-    const temp = opened.find((f) => path.basename(f).startsWith('.meta.json.'));
+    const temp = opened.map((f) => path.basename(f)).find((f) => f.startsWith('.meta.json.'));
     if (!temp) throw new Error(`no temp file among ${opened.join(', ')}`);
-    const at = (name: string) => path.join(dir, 'a', name);
-    const fresh = `.fences.json.${path.basename(temp).split('.').at(-1)}`;
-    await fs.writeFile(temp, '{"torn');
-    await fs.writeFile(at(fresh), '{"being written');
-    await fs.writeFile(at('.meta.json.tmp-not-hex'), 'x');
-    await fs.writeFile(at('.meta.json.rsync-Xy12Ab'), 'x');
-    await fs.mkdir(at('.dir.json.tmp-0123456789ab'));
-    await fs.symlink('/etc/hostname', at('.link.json.tmp-0123456789ab'));
-    const old = new Date(Date.now() - 2 * 3600_000);
-    for (const name of [
-      '.meta.json.tmp-not-hex',
-      '.meta.json.rsync-Xy12Ab',
+    const names = [
+      temp,
       'meta.json',
-      '.dir.json.tmp-0123456789ab',
-    ])
-      await fs.utimes(at(name), old, old);
-    await fs.utimes(temp, old, old);
-    await fs.lutimes(at('.link.json.tmp-0123456789ab'), old, old);
-
-    expect(await removeStaleTemps(path.join(dir, 'a'), 3600_000)).toEqual([temp]);
-    expect((await fs.readdir(path.join(dir, 'a'))).sort()).toEqual(
-      [
-        fresh,
-        '.meta.json.tmp-not-hex',
-        '.meta.json.rsync-Xy12Ab',
-        'meta.json',
-        '.dir.json.tmp-0123456789ab',
-        '.link.json.tmp-0123456789ab',
-      ].sort(),
-    );
-    expect(await removeStaleTemps(path.join(dir, 'gone'), 3600_000)).toEqual([]);
+      '.meta.json.tmp-not-hex',
+      `x${temp}`.replace(/^x\./, 'x'),
+      `${temp}.bak`,
+      '.meta.json.rsync-Xy12Ab',
+      '.meta.json.tmp-0123456789abc',
+    ];
+    expect(names.map(isTempName)).toEqual([true, false, false, false, false, false, false]);
   });
 });
 
