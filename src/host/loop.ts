@@ -305,6 +305,8 @@ export async function attachLoop(
     const unit = await filesystemUnitOf(h);
     if (unit === undefined || was <= unit) return loop;
     // In place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it open.
+    // Still this attachment right before (another's geometry is not changed).
+    await reread(loop);
     await x.run('losetup', [`--sector-size=${unit}`, loop.path], { timeoutMs: 30_000 });
     x.log.info(
       { device: loop.path, was, sector: unit },
