@@ -31,10 +31,24 @@ const GONE_NODE =
 export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] {
   const out: Finding[] = [];
   const locked = new Set(inv.locks.map((l) => l.key));
-  // Groups the controller's look discards when they stay unfinished (leftovers.ts).
-  const sweptGroups = new Set(
-    inv.groups.filter((g) => g.record.state === 'ok' && g.record.value.state === 'creating').map((g) => g.id),
+  const groupRecords = new Map(inv.groups.map((g) => [g.id, g.record]));
+  const damagedSnapshots = new Set(
+    inv.snapshots.filter((s) => s.record.state === 'damaged').map((s) => s.id),
   );
+  /** What removes member `id` of group `group` (a creation interrupted before its group was ready). */
+  const memberAction = (id: string, dir: string, group: string): string => {
+    const g = groupRecords.get(group);
+    if (g === undefined || g.state === 'absent')
+      return `Its group snapshot ${group} is gone: a DeleteSnapshot of it removes it.`;
+    if (g.state === 'damaged')
+      return `The record of its group snapshot ${group} cannot be read: repair it (see that finding), then a DeleteVolumeGroupSnapshot of ${group} removes it.`;
+    if (!g.value.snapshotIds.includes(id))
+      return `Its group snapshot ${group} does not list it, so nothing of the driver's removes it: remove ${dir} once you know whose it is.`;
+    // The controller's look discards an unfinished group with its members (leftovers.ts), unless a
+    // member's record cannot be read.
+    const swept = g.value.state === 'creating' && !g.value.snapshotIds.some((m) => damagedSnapshots.has(m));
+    return `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${group} discards it${swept ? ', and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged' : ''}.`;
+  };
   const add = (f: Omit<Finding, 'scope' | 'severity'>): void => {
     out.push({ scope: 'pool', severity: 'problem', ...f });
   };
@@ -86,7 +100,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
           volumeId: r.id,
           detail: `${r.what} ${r.id} (${r.record.value.name}) was never finished (its record says "creating")${r.partial ? ', with a partial image' : ''}`,
           action: r.group
-            ? `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${r.group} discards it${sweptGroups.has(r.group) ? ', and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged' : ''}.`
+            ? memberAction(r.id, r.dir, r.group)
             : `Nothing was ever returned for it: a retry of the create (the CO retries) or a ${r.verb} discards it, and the controller does once two of its looks (5 minutes apart) saw it unchanged.`,
         });
       }

@@ -219,25 +219,43 @@ describe('poolFindings', () => {
     expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
       'unfinished-creation snap-left',
     ]);
-    // The controller's look discards a member only with its group, and only a group still "creating".
-    const sweeps = (f: { action: string }) => f.action.includes('the controller does');
-    expect(poolFindings(inv, opts).map(sweeps)).toEqual([false]);
-    inv.groups.push({
-      id: 'group-gone',
-      record: {
-        state: 'ok',
-        value: {
-          id: 'group-gone',
-          state: 'creating',
-          snapshotIds: ['snap-left'],
-        } as unknown as GroupSnapshotMeta,
-      },
-    });
+    // What removes a member depends on its group: gone, unreadable, not listing it, ready, or unfinished
+    // (which the controller's look discards, with its members, unless one of them cannot be read).
+    const actionFor = (g: GroupSnapshotMeta | 'damaged' | undefined, extra: typeof inv.snapshots = []) => {
+      const i2 = emptyInventory();
+      i2.snapshots.push(snapshot('snap-left', 'group-g'), ...extra);
+      if (g === 'damaged') i2.groups.push({ id: 'group-g', record: { state: 'damaged', reason: 'torn' } });
+      else if (g) i2.groups.push({ id: 'group-g', record: { state: 'ok', value: g } });
+      return poolFindings(i2, opts).find((f) => f.volumeId === 'snap-left')?.action ?? '';
+    };
+    const g = (state: string, snapshotIds = ['snap-left', 'snap-other']) =>
+      ({ id: 'group-g', state, snapshotIds }) as unknown as GroupSnapshotMeta;
+    const damagedSibling = {
+      ...snapshot('snap-other', 'group-g'),
+      record: { state: 'damaged' as const, reason: 'torn' },
+    };
     expect(
-      poolFindings(inv, opts)
-        .filter((f) => f.volumeId === 'snap-left')
-        .map(sweeps),
-    ).toEqual([true]);
+      [
+        actionFor(undefined),
+        actionFor('damaged'),
+        actionFor(g('creating', ['snap-other'])),
+        actionFor(g('ready')),
+        actionFor(g('creating')),
+        actionFor(g('creating'), [damagedSibling]),
+      ].map((a) => [
+        a.includes('DeleteSnapshot of it'),
+        a.includes('cannot be read'),
+        a.includes('does not list it'),
+        a.includes('the controller does'),
+      ]),
+    ).toEqual([
+      [true, false, false, false],
+      [false, true, false, false],
+      [false, false, true, false],
+      [false, false, false, false],
+      [false, false, false, true],
+      [false, false, false, false],
+    ]);
   });
   it('reports a group snapshot never finished (its members hidden), not one at work', () => {
     const inv = emptyInventory();
