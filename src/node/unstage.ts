@@ -86,19 +86,6 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     throw fencedError(r.id, held.path);
   }
   await detachUnused(d, x, ours, table);
-  // A device read above and found attached anew since (by another process) was left alone: if it is
-  // this volume's again, the volume is still attached here, and keeps its lease.
-  const names = new Set(ours.map((l) => l.name));
-  if ((await d.host.loops(x, () => false)).some((l) => names.has(l.name))) {
-    const now = await lookAtHost(d, x, r.id);
-    const othersNow = await othersLoops(d, now);
-    const again = now.loops.filter((l) => !othersNow.has(l.name));
-    if (again.length > 0) {
-      throw conflict(
-        `Volume ${r.id} is attached on this node again (${again.map((l) => l.path).join(', ')}): another process attached it while it was unstaged; its lease is kept.`,
-      );
-    }
-  }
   await d.volumes.dropLease(r.id, d.nodeId);
 }
 

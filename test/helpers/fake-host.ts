@@ -87,8 +87,6 @@ export class FakeHost implements Host {
   private readonly nodes = new Map<string, FakeNode>();
   private readonly faults: { match: (op: string) => boolean; err: Error; once: boolean }[] = [];
   private nextMountId = 100;
-  /** The disk sequence number the next attachment gets (the kernel's counter, from 6.5 on). */
-  private nextSeq = 1000;
 
   // ---- test controls -------------------------------------------------------------------------------
 
@@ -239,7 +237,6 @@ export class FakeHost implements Host {
       identity,
       autoclear: false,
       sectorSize: opts.sectorSize ?? this.kernelSectorSize,
-      seq: String(this.nextSeq++),
     };
     this.attached.set(loop.name, loop);
     return this.view(loop);
@@ -248,10 +245,8 @@ export class FakeHost implements Host {
   /** Like losetup -d: a device still in use stays until its last user goes (and false is returned). */
   async detach(_x: Exec, loop: LoopDevice): Promise<boolean> {
     const now = this.attached.get(loop.name);
-    // Detached and reused since the caller read it (for another file, or the same one again): not the
-    // caller's any more.
-    if (!now || now.backingFile !== loop.backingFile || (loop.seq !== undefined && now.seq !== loop.seq))
-      return true;
+    // Detached and reused for another file since the caller read it: not the caller's any more.
+    if (!now || now.backingFile !== loop.backingFile) return true;
     await this.act(`detach ${loop.name}`);
     if (this.inUse(now)) now.autoclear = true;
     else {
