@@ -20,6 +20,7 @@ import path from 'node:path';
 import type { Logger } from 'pino';
 import { mapLimit, repeat, type Repeating } from '../limit.js';
 import { isTempName, listDir, type RecordRead } from './fsutil.js';
+import { layoutProblem } from './layout.js';
 import { type HeldLock, isAsideName } from './lock.js';
 import { isGroupSnapshotId, isSnapshotId, isVolumeId } from './ids.js';
 import type { Pool } from './pool.js';
@@ -74,7 +75,7 @@ export class LeftoverSweeper {
         fingerprint: async (id) =>
           ownCreation(await created(stores.volumes.inspect(id), l.volumeImageTemp(id))),
         dirOf: (id) => l.volumeDir(id),
-        discard: (id) => pool.discard(l.volumeDir(id)),
+        discard: (id, lock) => pool.discard(l.volumeDir(id), lock),
       },
       {
         what: 'snapshot',
@@ -82,7 +83,7 @@ export class LeftoverSweeper {
         isId: isSnapshotId,
         fingerprint: async (id) => ownCreation(await snapshot(id)),
         dirOf: (id) => l.snapshotDir(id),
-        discard: (id) => pool.discard(l.snapshotDir(id)),
+        discard: (id, lock) => pool.discard(l.snapshotDir(id), lock),
       },
       {
         what: 'group snapshot',
@@ -152,6 +153,8 @@ export class LeftoverSweeper {
    */
   async removeLeftTemps(ageMs = TEMP_AGE_MS): Promise<string[]> {
     const l = this.pool.layout;
+    // Never through a directory of the pool that is a symlink (see layoutProblem).
+    if ((await layoutProblem(l)) !== undefined) return [];
     const now = performance.now();
     const seen = new Map<string, { was: string; since: number }>();
     const removed: string[] = [];

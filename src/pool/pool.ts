@@ -360,10 +360,11 @@ export class Pool {
   }
 
   /** Deletes a directory tree: renamed into the trash first (atomic), then removed. */
-  async discard(dir: string): Promise<void> {
+  async discard(dir: string, ...held: HeldLock[]): Promise<void> {
     // Never into a trash that is a symlink (renamed into a place someone chose, then removed there).
     const problem = await layoutProblem(this.layout);
     if (problem) throw unsafe(`Nothing was deleted: ${problem}`);
+    for (const lock of held) lock.assertHeld(); // the locks it is done under, right before the rename
     const target = path.join(this.layout.trashDir, `${path.basename(dir)}.${randomBytes(6).toString('hex')}`);
     try {
       await fs.rename(dir, target);

@@ -181,7 +181,7 @@ export class SnapshotStore {
   async delete(id: string, group?: { id: string; lock: HeldLock }): Promise<void> {
     if (!isSnapshotId(id)) return;
     const fromGroup = group?.id;
-    await this.pool.withLock(id, 'DeleteSnapshot', async () => {
+    await this.pool.withLock(id, 'DeleteSnapshot', async (own) => {
       const record = await this.inspect(id);
       if (record.state === 'absent') await this.pool.assertPresent(); // gone, or the pool not mounted?
       group?.lock.assertHeld(); // after the waits: another process may own the group by now
@@ -214,8 +214,7 @@ export class SnapshotStore {
           `Snapshot ${id} is part of group snapshot ${meta.groupSnapshotId}; delete the group snapshot instead.`,
         );
       }
-      group?.lock.assertHeld();
-      await this.pool.discard(this.layout.snapshotDir(id));
+      await this.pool.discard(this.layout.snapshotDir(id), own, ...(group ? [group.lock] : []));
     });
   }
 
@@ -287,7 +286,6 @@ export class SnapshotStore {
   async deleteGroup(id: string, memberIds: readonly string[], lock: HeldLock): Promise<void> {
     if (!isGroupSnapshotId(id)) return;
     for (const member of memberIds) await this.delete(member, { id, lock });
-    lock.assertHeld();
-    await this.pool.discard(this.layout.groupDir(id));
+    await this.pool.discard(this.layout.groupDir(id), lock);
   }
 }

@@ -256,6 +256,19 @@ describe('unfinished creations a crash left', () => {
     expect(await present(young)).toBe(true);
   });
 
+  it('removes nothing through a directory of the pool that is a symlink', async () => {
+    const w = await controllerWorld();
+    const l = w.pool.layout;
+    const elsewhere = await env.dir('leftovers-elsewhere');
+    const theirs = path.join(elsewhere, '.x.json.tmp-000000000012');
+    await fs.writeFile(theirs, "not the pool's");
+    await fs.rm(l.nodesDir, { recursive: true });
+    await fs.symlink(elsewhere, l.nodesDir);
+    const sweeper = new LeftoverSweeper(w.pool, { volumes: w.volumes, snapshots: w.snapshots }, log);
+    expect([await sweeper.removeLeftTemps(0), await sweeper.removeLeftTemps(0)]).toEqual([[], []]);
+    expect(await present(theirs)).toBe(true);
+  });
+
   it("removes what killed writers left from the controller's looks", async () => {
     const w = await controllerWorld();
     const temp = path.join(w.pool.layout.nodesDir, '.n1.alive.tmp-000000000011');
