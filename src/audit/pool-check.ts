@@ -44,9 +44,11 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
       return `The record of its group snapshot ${group} cannot be read: repair it (see that finding), then a DeleteVolumeGroupSnapshot of ${group} removes it.`;
     if (!g.value.snapshotIds.includes(id))
       return `Its group snapshot ${group} does not list it, so nothing of the driver's removes it: remove ${dir} once you know whose it is.`;
+    if (g.value.state === 'ready')
+      return `Its group snapshot ${group} is ready, so no retry of its create touches it: a DeleteVolumeGroupSnapshot of ${group} removes it, with the group.`;
     // The controller's look discards an unfinished group with its members (leftovers.ts), unless a
     // member's record cannot be read.
-    const swept = g.value.state === 'creating' && !g.value.snapshotIds.some((m) => damagedSnapshots.has(m));
+    const swept = !g.value.snapshotIds.some((m) => damagedSnapshots.has(m));
     return `Nothing was ever returned for it: a retry of its group snapshot's create (the CO retries) or a DeleteVolumeGroupSnapshot of ${group} discards it${swept ? ', and the controller does, with its group, once two of its looks (5 minutes apart) saw the group unchanged' : ''}.`;
   };
   const add = (f: Omit<Finding, 'scope' | 'severity'>): void => {

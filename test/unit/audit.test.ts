@@ -247,14 +247,15 @@ describe('poolFindings', () => {
         a.includes('cannot be read'),
         a.includes('does not list it'),
         a.includes('the controller does'),
+        a.includes('no retry of its create'),
       ]),
     ).toEqual([
-      [true, false, false, false],
-      [false, true, false, false],
-      [false, false, true, false],
-      [false, false, false, false],
-      [false, false, false, true],
-      [false, false, false, false],
+      [true, false, false, false, false],
+      [false, true, false, false, false],
+      [false, false, true, false, false],
+      [false, false, false, false, true],
+      [false, false, false, true, false],
+      [false, false, false, false, false],
     ]);
   });
   it('reports a group snapshot never finished (its members hidden), not one at work', () => {
