@@ -179,7 +179,7 @@ export class VolumeStore extends VolumeFences {
    */
   async delete(id: string, inUseHere?: (image: string) => Promise<string | undefined>): Promise<void> {
     if (!isVolumeId(id)) return;
-    await this.pool.withLock(id, 'DeleteVolume', async () => {
+    await this.pool.withLock(id, 'DeleteVolume', async (lock) => {
       const dir = this.layout.volumeDir(id);
       if (!(await exists(dir))) {
         await this.pool.assertPresent(); // gone, or is the pool itself not mounted?
@@ -210,7 +210,7 @@ export class VolumeStore extends VolumeFences {
       if (here !== undefined) {
         throw conflict(`Volume ${id} is still in use on this host (${here}); it was not deleted.`);
       }
-      await this.pool.discard(dir);
+      await this.pool.discard(dir, lock); // still held after those looks: nobody staged it meanwhile
       this.capacity.volumeGone(id);
     });
   }

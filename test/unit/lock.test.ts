@@ -254,6 +254,30 @@ describe('work under a lock that is lost', () => {
     await fs.stat(pool.layout.volumeImage(id));
   });
 
+  it('deletes no volume once the lock was lost while it looked at the leases (another node may stage it meanwhile)', async () => {
+    const { pool, volumes } = await quickPool('lost-delete');
+    const meta = volumeMeta('pv-delete', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
+    await volumes.create(meta, async (image) => {
+      await fs.writeFile(image, '');
+      return { initialized: false };
+    });
+    const { id } = meta;
+    const leases = volumes.leases.bind(volumes);
+    vi.spyOn(volumes, 'leases').mockImplementationOnce(async (vid) => {
+      // Read under the lock: none. Then another process takes the lock over (this one was cut off
+      // from the pool for a lease), as a stage on another node would.
+      const got = await leases(vid);
+      await fs.writeFile(path.join(pool.layout.locksDir, `${id}.lock`), '{}');
+      await new Promise((r) => setTimeout(r, 150));
+      return got;
+    });
+    await expect(volumes.delete(id)).rejects.toThrow(/lost its lock/);
+    await fs.stat(pool.layout.volumeImage(id));
+    await fs.rm(path.join(pool.layout.locksDir, `${id}.lock`));
+    await volumes.delete(id);
+    await expect(fs.stat(pool.layout.volumeDir(id))).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+
   it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
     const { pool, volumes } = await quickPool('lost-fence');
     const meta = volumeMeta('pv-fence', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
