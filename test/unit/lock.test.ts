@@ -254,47 +254,43 @@ describe('work under a lock that is lost', () => {
     await fs.stat(pool.layout.volumeImage(id));
   });
 
-  it('deletes no volume once the lock was lost while it looked at the leases (another node may stage it meanwhile)', async () => {
-    const { pool, volumes } = await quickPool('lost-delete');
-    const meta = volumeMeta('pv-delete', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
+  /** A volume with an (empty) image on a pool whose locks renew fast; and `lockTakenOver` for it. */
+  async function volumeOnQuickPool(tag: string) {
+    const { pool, volumes } = await quickPool(tag);
+    const meta = volumeMeta(`pv-${tag}`, { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
     await volumes.create(meta, async (image) => {
       await fs.writeFile(image, '');
       return { initialized: false };
     });
-    const { id } = meta;
-    const leases = volumes.leases.bind(volumes);
-    vi.spyOn(volumes, 'leases').mockImplementationOnce(async (vid) => {
-      // Read under the lock: none. Then another process takes the lock over (this one was cut off
-      // from the pool for a lease), as a stage on another node would.
-      const got = await leases(vid);
-      await fs.writeFile(path.join(pool.layout.locksDir, `${id}.lock`), '{}');
+    const lockFile = path.join(pool.layout.locksDir, `${meta.id}.lock`);
+    /**
+     * Once `read` has read what it reads under the volume's lock, another process takes that lock over
+     * (this one was cut off from the pool for a lease), and this one's renewal finds it gone.
+     */
+    const lockTakenOver = async <T>(read: () => Promise<T>): Promise<T> => {
+      const got = await read();
+      await fs.writeFile(lockFile, '{}');
       await new Promise((r) => setTimeout(r, 150));
       return got;
-    });
+    };
+    return { pool, volumes, id: meta.id, lockFile, lockTakenOver };
+  }
+
+  it('deletes no volume once the lock was lost while it looked at the leases (another node may stage it meanwhile)', async () => {
+    const { pool, volumes, id, lockFile, lockTakenOver } = await volumeOnQuickPool('lost-delete');
+    const leases = volumes.leases.bind(volumes);
+    vi.spyOn(volumes, 'leases').mockImplementationOnce((vid) => lockTakenOver(() => leases(vid)));
     await expect(volumes.delete(id)).rejects.toThrow(/lost its lock/);
     await fs.stat(pool.layout.volumeImage(id));
-    await fs.rm(path.join(pool.layout.locksDir, `${id}.lock`));
+    await fs.rm(lockFile);
     await volumes.delete(id);
     await expect(fs.stat(pool.layout.volumeDir(id))).rejects.toMatchObject({ code: 'ENOENT' });
   });
 
   it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
-    const { pool, volumes } = await quickPool('lost-fence');
-    const meta = volumeMeta('pv-fence', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
-    await volumes.create(meta, async (image) => {
-      await fs.writeFile(image, '');
-      return { initialized: false };
-    });
-    const { id } = meta;
+    const { pool, volumes, id, lockFile, lockTakenOver } = await volumeOnQuickPool('lost-fence');
     const mustGet = volumes.mustGet.bind(volumes);
-    vi.spyOn(volumes, 'mustGet').mockImplementationOnce(async (vid) => {
-      // Read under the lock; then another process takes the lock over (this one was cut off from the
-      // pool for a lease) and this one's renewal finds it gone.
-      const got = await mustGet(vid);
-      await fs.writeFile(path.join(pool.layout.locksDir, `${id}.lock`), '{}');
-      await new Promise((r) => setTimeout(r, 150));
-      return got;
-    });
+    vi.spyOn(volumes, 'mustGet').mockImplementationOnce((vid) => lockTakenOver(() => mustGet(vid)));
     const lease = {
       node: 'node-a',
       stagingPath: '/staging',
@@ -306,7 +302,7 @@ describe('work under a lock that is lost', () => {
     await expect(volumes.takeLease(id, lease)).rejects.toThrow(/lost its lock/);
     await expect(fs.stat(pool.layout.volumeFences(id))).rejects.toMatchObject({ code: 'ENOENT' });
     // With the lock held, the same call writes it.
-    await fs.rm(path.join(pool.layout.locksDir, `${id}.lock`));
+    await fs.rm(lockFile);
     await volumes.takeLease(id, lease);
     expect(await volumes.lease(id, 'node-a')).toMatchObject({ node: 'node-a', stagingPath: '/staging' });
   });
