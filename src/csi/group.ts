@@ -81,7 +81,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
       run: (v, ctx) =>
         pool.withLock(v.id, 'CreateVolumeGroupSnapshot', async (groupLock) => {
           const record = await snapshots.inspectGroup(v.id);
-          if (record.state === 'damaged') await snapshots.quarantineGroup(v.id, record.reason);
+          if (record.state === 'damaged') await snapshots.quarantineGroup(v.id, record.reason, groupLock);
           if (record.state === 'absent') await snapshots.refuseQuarantinedGroup(v.id);
           const existing = record.state === 'ok' ? record.value : undefined;
           if (existing?.state === 'ready') {
@@ -197,7 +197,7 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
         if (!isGroupSnapshotId(id)) return {};
         return pool.withLock(id, 'DeleteVolumeGroupSnapshot', async (groupLock) => {
           const record = await snapshots.inspectGroup(id);
-          if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason);
+          if (record.state === 'damaged') await snapshots.quarantineGroup(id, record.reason, groupLock);
           if (record.state !== 'ok') return {};
           const group = record.value;
           checkListed(group, listed);

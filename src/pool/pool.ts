@@ -300,10 +300,11 @@ export class Pool {
    * Moves a directory whose record cannot be read out of the way, into quarantine/, with a note of why
    * and when. Nothing in quarantine is ever deleted by the driver: an operator decides. Returns where it went.
    */
-  async quarantine(dir: string, why: string): Promise<string> {
+  async quarantine(dir: string, why: string, ...held: HeldLock[]): Promise<string> {
     const stamp = new Date().toISOString().replace(/[:.]/g, '-');
     const target = path.join(this.layout.quarantineDir, `${path.basename(dir)}.${stamp}`);
     await fs.mkdir(this.layout.quarantineDir, { recursive: true, mode: 0o750 });
+    for (const lock of held) lock.assertHeld(); // another holder may have made it sound again
     await fs.rename(dir, target);
     await fsyncDir(path.dirname(dir));
     await fsyncDir(this.layout.quarantineDir);
@@ -320,26 +321,34 @@ export class Pool {
   }
 
   /**
-   * Clears the way for a record that is about to be (re)made in `dir`, which holds no sound finished
-   * record: an unfinished creation of our own (a "creating" record, or no record and no image) is
-   * discarded; anything that may hold data (a damaged record, an image without a record) is
-   * quarantined, and the caller is told where it went (an error that names the place).
+   * Clears the way for a record about to be (re)made in `dir`, which holds no sound finished record: an
+   * unfinished creation of ours (a "creating" record, or no record and no image) is discarded; what may
+   * hold data (a damaged record, an image without a record) is quarantined and the error names where it
+   * went. Nothing is moved once a lock of `held` (under which `record` was read) is lost.
    */
-  async clearLeftover(what: string, dir: string, record: RecordRead<unknown>, image: string): Promise<void> {
+  async clearLeftover(
+    what: string,
+    dir: string,
+    record: RecordRead<unknown>,
+    image: string,
+    ...held: HeldLock[]
+  ): Promise<void> {
     if (!(await exists(dir))) return;
     const orphanImage = record.state === 'absent' && (await exists(image));
     if (record.state === 'damaged' || orphanImage) {
       const reason = record.state === 'damaged' ? record.reason : `${path.basename(image)} has no record`;
-      const to = await this.quarantine(dir, reason);
+      const to = await this.quarantine(dir, reason, ...held);
       throw damagedRecord(what, reason, to);
     }
     this.log.warn({ dir }, `discarding an interrupted creation of ${what} before retrying it`);
-    await this.discard(dir);
+    await this.discard(dir, ...held);
   }
 
   /** Refuses to make `what` (id `id`) again while an earlier one waits in quarantine for an operator. */
   async refuseQuarantined(what: string, id: string): Promise<void> {
-    const q = await this.quarantinedFor(id);
+    const q = (await this.quarantined())
+      .filter((e) => e.startsWith(`${id}.`))
+      .map((e) => path.join(this.layout.quarantineDir, e));
     if (q.length > 0) {
       throw unsafe(
         `${capitalize(what)} was quarantined at ${q.join(', ')} because its record could not be read; an operator must restore or remove it before it is made again.`,
@@ -350,13 +359,6 @@ export class Pool {
   /** Entries in quarantine/ (each a directory named <id>.<when>). */
   async quarantined(): Promise<string[]> {
     return (await listDir(this.layout.quarantineDir)).sort();
-  }
-
-  /** The quarantined directories of `id`, if any. */
-  async quarantinedFor(id: string): Promise<string[]> {
-    return (await this.quarantined())
-      .filter((e) => e.startsWith(`${id}.`))
-      .map((e) => path.join(this.layout.quarantineDir, e));
   }
 
   /** Deletes a directory tree: renamed into the trash first (atomic), then removed. */

@@ -118,7 +118,7 @@ export class SnapshotStore {
       if (record.state === 'ok' && record.value.state === 'ready')
         return { snapshot: record.value, created: false };
       const dir = this.layout.snapshotDir(id);
-      await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id));
+      await this.pool.clearLeftover(`snapshot ${id}`, dir, record, this.layout.snapshotImage(id), lock);
       await this.pool.refuseQuarantined(`snapshot ${id}`, id);
       await this.pool.assertPresent();
       try {
@@ -192,6 +192,8 @@ export class SnapshotStore {
           this.layout.snapshotDir(id),
           record,
           this.layout.snapshotImage(id),
+          own,
+          ...(group ? [group.lock] : []),
         );
         return;
       }
@@ -264,8 +266,8 @@ export class SnapshotStore {
    * Moves a group snapshot whose record cannot be read into quarantine (its members stay where they
    * are: without the record nobody can say which they are) and reports where it went.
    */
-  async quarantineGroup(id: string, reason: string): Promise<never> {
-    const to = await this.pool.quarantine(this.layout.groupDir(id), reason);
+  async quarantineGroup(id: string, reason: string, lock: HeldLock): Promise<never> {
+    const to = await this.pool.quarantine(this.layout.groupDir(id), reason, lock);
     throw damagedRecord(`group snapshot ${id}`, reason, to);
   }
 

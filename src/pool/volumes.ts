@@ -119,7 +119,7 @@ export class VolumeStore extends VolumeFences {
       if (record.state === 'ok' && record.value.state === 'ready')
         return { volume: record.value, created: false };
       const dir = this.layout.volumeDir(id);
-      await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
+      await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id), lock);
       await this.pool.refuseQuarantined(`volume ${id}`, id);
       await this.pool.assertPresent();
       // A preallocated volume takes its blocks now, whatever fills it (a clone or a restore too): it is
@@ -188,7 +188,7 @@ export class VolumeStore extends VolumeFences {
       const record = await this.inspect(id);
       if (record.state !== 'ok') {
         // An unfinished creation goes; anything that may hold data is quarantined.
-        await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id));
+        await this.pool.clearLeftover(`volume ${id}`, dir, record, this.layout.volumeImage(id), lock);
         return;
       }
       const attachments = await this.attachments(id);

@@ -287,6 +287,39 @@ describe('work under a lock that is lost', () => {
     await expect(fs.stat(pool.layout.volumeDir(id))).rejects.toMatchObject({ code: 'ENOENT' });
   });
 
+  it('neither discards an unfinished creation nor quarantines a damaged record once the lock was lost after reading it', async () => {
+    const { pool, volumes, id, lockFile, lockTakenOver } = await volumeOnQuickPool('lost-leftover');
+    const file = pool.layout.volumeMeta(id);
+    const creating = JSON.stringify({ ...JSON.parse(await fs.readFile(file, 'utf8')), state: 'creating' });
+    await fs.writeFile(file, creating);
+    const meta = volumeMeta('pv-lost-leftover', { capacityBytes: 2 ** 20, requiredBytes: 2 ** 20 });
+    const fill = async (image: string) => {
+      await fs.writeFile(image, '');
+      return { initialized: false };
+    };
+    const damaged = { state: 'damaged' as const, reason: 'volume.json is not valid JSON' };
+    const inspect = volumes.inspect.bind(volumes);
+    for (const read of [() => inspect(id), () => Promise.resolve(damaged)]) {
+      for (const call of [() => volumes.create({ ...meta, id }, fill), () => volumes.delete(id)]) {
+        // The new holder may be remaking this very volume: what this call read is no longer the truth.
+        vi.spyOn(volumes, 'inspect').mockImplementationOnce(() => lockTakenOver(read));
+        await expect(call()).rejects.toThrow(/lost its lock/);
+        expect(await fs.readFile(file, 'utf8')).toBe(creating);
+        await fs.stat(pool.layout.volumeImage(id));
+        expect(await pool.quarantined()).toEqual([]);
+        await fs.rm(lockFile);
+      }
+    }
+    // With the lock held, the same reads clear the way: the damaged one into quarantine, for an operator.
+    vi.spyOn(volumes, 'inspect').mockResolvedValueOnce(damaged);
+    await expect(volumes.delete(id)).rejects.toThrow(/cannot be read/);
+    expect(await pool.quarantined()).toHaveLength(1);
+    await fs.mkdir(pool.layout.volumeDir(id));
+    await fs.writeFile(file, creating);
+    await volumes.delete(id);
+    await expect(fs.stat(pool.layout.volumeDir(id))).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+
   it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
     const { pool, volumes, id, lockFile, lockTakenOver } = await volumeOnQuickPool('lost-fence');
     const mustGet = volumes.mustGet.bind(volumes);
