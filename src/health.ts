@@ -9,9 +9,10 @@ import type { Pool } from './pool/pool.js';
  * process), and a look at what a source image holds.
  */
 export const CONTROLLER_TOOLS = ['fallocate', 'cp', 'setpriv', 'blkid', 'rm'] as const;
-/** Tools the node plugin runs. */
+/** Tools the node plugin runs (mkfs under setpriv, so that it dies with the process). */
 export const NODE_TOOLS = [
   'losetup',
+  'setpriv',
   'mount',
   'umount',
   'blkid',

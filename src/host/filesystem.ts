@@ -10,7 +10,10 @@ import type { FsType } from '../pool/types.js';
 /**
  * mkfs, fsck and resize leave a filesystem half-written when killed midway, so they are never killed
  * because a caller gave up: they run to their end (the call answers late; its retry waits for them,
- * then finds their result), bounded only by a long timeout of their own.
+ * then finds their result), bounded only by a long timeout of their own. fsck and resize hold the
+ * device exclusively (O_EXCL) while they run, so one that outlives this process keeps every later
+ * mount and mkfs out until it ends; mkfs.btrfs writes through a plain descriptor, so mkfs dies with
+ * this process instead (see formatDevice).
  */
 const UNINTERRUPTIBLE = { detached: true, timeoutMs: 6 * 60 * 60_000 } as const;
 
@@ -46,20 +49,24 @@ export async function probeDevice(x: Exec, device: string): Promise<DeviceConten
  *  - ext4: assume_storage_prezeroed (the image reads as zeros), so neither mkfs nor the kernel's
  *    lazy-init thread writes the inode tables, which would allocate ~2% of the image for nothing;
  *    no reserved blocks (-m 0): there is no root-owned daemon to reserve them for;
- *  - no force flags: if mkfs finds a signature blkid missed, it refuses, which is what we want.
+ *  - no force flags: if mkfs finds a signature blkid missed, it refuses, which is what we want; only
+ *    `force` (the device holds what an unfinished mkfs of ours left, see format.ts) overrides that.
  */
 function mkfsCommand(
   fsType: FsType,
   device: string,
   prezeroed: boolean,
   compat: readonly string[],
+  force: boolean,
 ): [string, string[]] {
+  const f = (flag: string): string[] => (force ? [flag] : []);
   switch (fsType) {
     case 'ext4':
       return [
         'mkfs.ext4',
         [
           '-q',
+          ...f('-F'),
           '-b',
           '4096',
           '-m',
@@ -71,22 +78,37 @@ function mkfsCommand(
         ],
       ];
     case 'xfs':
-      return ['mkfs.xfs', ['-q', '-K', ...compat, device]];
+      return ['mkfs.xfs', ['-q', '-K', ...f('-f'), ...compat, device]];
     case 'btrfs':
-      return ['mkfs.btrfs', ['-q', '-K', ...compat, device]];
+      return ['mkfs.btrfs', ['-q', '-K', ...f('-f'), ...compat, device]];
   }
 }
 
-/** Formats `device`; `compat` turns off features the node's kernel cannot mount (mkfs-compat.ts). */
+export interface FormatOptions {
+  /** Features the node's kernel cannot mount, turned off (mkfs-compat.ts). */
+  compat?: readonly string[];
+  /** Overwrite the signature found (only what an unfinished mkfs of ours left). */
+  force?: boolean;
+  /** Stops mkfs (the format lock was lost: another node may format the volume now). */
+  signal?: AbortSignal;
+}
+
+/**
+ * Formats `device`. mkfs runs to its end whatever the caller does, but dies with this process (by
+ * kill -9 too): left running, a mkfs that does not hold the device exclusively (mkfs.btrfs) would
+ * write over the filesystem that the retry of a restarted driver makes and mounts. What it leaves
+ * half-written is known by the volume's `formatting` record (format.ts).
+ */
 export async function formatDevice(
   x: Exec,
   fsType: FsType,
   device: string,
-  compat: readonly string[] = [],
+  { compat = [], force = false, signal }: FormatOptions = {},
 ): Promise<void> {
-  const [cmd, args] = mkfsCommand(fsType, device, true, compat);
+  const run = { ...UNINTERRUPTIBLE, diesWithProcess: true, ...(signal ? { signal } : {}) };
+  const [cmd, args] = mkfsCommand(fsType, device, true, compat, force);
   try {
-    await x.run(cmd, args, UNINTERRUPTIBLE);
+    await x.run(cmd, args, run);
   } catch (err) {
     // e2fsprogs older than 1.47 does not know assume_storage_prezeroed.
     if (
@@ -94,8 +116,8 @@ export async function formatDevice(
       err instanceof CommandError &&
       /assume_storage_prezeroed|Bad option/i.test(err.stderr)
     ) {
-      const [cmd2, args2] = mkfsCommand(fsType, device, false, compat);
-      await x.run(cmd2, args2, UNINTERRUPTIBLE);
+      const [cmd2, args2] = mkfsCommand(fsType, device, false, compat, force);
+      await x.run(cmd2, args2, run);
       return;
     }
     throw err;

@@ -16,6 +16,7 @@ import {
   filesystemUsage,
   flushDeviceBuffers,
   formatDevice,
+  type FormatOptions,
   growExt4Offline,
   growOnline,
   mountedFilesystemSize,
@@ -101,7 +102,7 @@ export interface Host {
 
   // Filesystems on devices
   probe(x: Exec, device: string): Promise<DeviceContent>;
-  format(x: Exec, fsType: FsType, device: string): Promise<void>;
+  format(x: Exec, fsType: FsType, device: string, options?: FormatOptions): Promise<void>;
   check(x: Exec, fsType: FsType, device: string): Promise<void>;
   flush(x: Exec, device: string): Promise<void>;
   filesystemSize(fsType: FsType, device: string): Promise<number | undefined>;
@@ -144,7 +145,7 @@ export const kernelHost: Host = {
   remountBind,
   unmountAll,
   probe: probeDevice,
-  format: async (x, fsType, device) => {
+  format: async (x, fsType, device, options) => {
     const compat = await mkfsCompat(x, fsType);
     if (compat.off.length > 0) {
       x.log.info(
@@ -152,7 +153,7 @@ export const kernelHost: Host = {
         'mkfs features turned off for this kernel',
       );
     }
-    await formatDevice(x, fsType, device, compat.args);
+    await formatDevice(x, fsType, device, { ...options, compat: compat.args });
   },
   check: (x, fsType, device) => checkFilesystem(x, fsType, device),
   flush: flushDeviceBuffers,

@@ -6,7 +6,9 @@
  * signature at all *and* the volume was never initialized (the pool's `initialized` marker is the
  * second guard); another filesystem or a partition table is refused untouched. The decision and the
  * mkfs run under the volume's format lock, held across hosts, so two nodes staging a fresh volume at
- * once never both format it: the second one finds the marker and the filesystem, and keeps it.
+ * once never both format it: the second one finds the marker and the filesystem, and keeps it. Each
+ * mkfs is preceded by a durable `formatting` record: a mkfs cut short (the driver killed, its
+ * container replaced) can leave a signature blkid recognises, which is made again, never kept.
  */
 import { conflict, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
@@ -16,22 +18,28 @@ import { type Capability, type FsType, isFsType, isMultiNode, type VolumeMeta } 
 import type { NodeDeps } from './on-host.js';
 
 export type FormatDecision =
-  | { action: 'format'; fsType: FsType }
+  | { action: 'format'; fsType: FsType; force?: true }
   | { action: 'keep'; fsType: FsType }
   | { action: 'refuse'; reason: string };
 
 /**
  * Whether to format a device. Format only a device with no signature at all that was never
  * initialized; keep the filesystem that is there when it is the one asked for (or when none was asked
- * for explicitly); refuse everything else, touching nothing.
+ * for explicitly); refuse everything else, touching nothing. `unfinished`: the filesystem a mkfs of
+ * ours began on the volume (its `formatting` record): found on a volume never marked initialized, it
+ * is what that mkfs left (nothing mounts a volume before the mark), and it is made again.
  */
 export function decideFormat(
   content: DeviceContent,
   initialized: boolean,
   requestedFs: string,
   volumeFs: FsType,
+  unfinished?: FsType,
 ): FormatDecision {
   const wanted: FsType = isFsType(requestedFs) ? requestedFs : volumeFs;
+  if (!initialized && content.kind === 'filesystem' && content.type === unfinished) {
+    return { action: 'format', fsType: wanted, force: true };
+  }
   switch (content.kind) {
     case 'blank':
       return initialized
@@ -86,14 +94,22 @@ export async function prepareFilesystem(
   return d.volumes.withFormatLock(vol.id, waitMs, async (lock) => {
     const initialized = await d.volumes.isInitialized(vol.id);
     const content = await probeUncached(d, x, loop, fresh, initialized);
+    const unfinished =
+      !initialized && content.kind === 'filesystem' ? await d.volumes.formatting(vol.id) : undefined;
     const decision = decideFormat(
       content,
       initialized,
       cap.fsType,
       vol.fsType === 'none' ? 'ext4' : vol.fsType,
+      unfinished,
     );
     if (decision.action === 'refuse') throw unsafe(`Volume ${vol.id} ${decision.reason}`);
-    await before;
+    // Made durable before mkfs begins: a retry after it was cut short must not keep what it left.
+    const began =
+      decision.action === 'format'
+        ? d.volumes.markFormatting(vol.id, `node ${d.nodeId}`, decision.fsType)
+        : undefined;
+    await Promise.all([before, began]);
     lock.assertHeld(); // lost while waiting: another node may have formatted it meanwhile
     if (decision.action === 'keep') {
       if (!initialized) {
@@ -102,9 +118,11 @@ export async function prepareFilesystem(
       }
       return { fsType: decision.fsType, loop, formatted: false };
     }
+    if (decision.force)
+      x.log.warn({ volumeId: vol.id, fsType: decision.fsType }, 'formatting again over an unfinished mkfs');
     return {
       fsType: decision.fsType,
-      loop: await formatBlank(d, x, vol.id, loop, decision.fsType, attach),
+      loop: await formatBlank(d, x, vol.id, loop, decision, attach, lock.signal),
       formatted: true,
     };
   });
@@ -169,14 +187,18 @@ async function probeUncached(
   return d.host.probe(x, loop.path);
 }
 
-/** Formats a blank device, attaching it read-write for the purpose when it is staged read-only. */
+/**
+ * Formats a blank device (or one holding what an unfinished mkfs of ours left: `force`), attaching it
+ * read-write for the purpose when it is staged read-only. `signal`: the format lock was lost.
+ */
 async function formatBlank(
   d: NodeDeps,
   x: Exec,
   id: string,
   loop: LoopDevice,
-  fsType: FsType,
+  { fsType, force = false }: { fsType: FsType; force?: boolean },
   attach: (readOnly: boolean) => Promise<LoopDevice>,
+  signal: AbortSignal,
 ): Promise<LoopDevice> {
   let target = loop;
   if (loop.readOnly) {
@@ -184,7 +206,7 @@ async function formatBlank(
     target = await attach(false);
   }
   try {
-    await d.host.format(x, fsType, target.path);
+    await d.host.format(x, fsType, target.path, { force, signal });
   } catch (err) {
     if (err instanceof CommandError && /contains|existing|appears to/i.test(err.stderr)) {
       throw unsafe(

@@ -7,6 +7,8 @@
  *   volumes/<vol-id>/disk.img         its disk image (sparse unless allocation=preallocate)
  *   volumes/<vol-id>/initialized      present once a node formatted it or used it as a raw device;
  *                                     records the sector size of the device its data was written on
+ *   volumes/<vol-id>/formatting       written before a node's mkfs: until `initialized` exists, a
+ *                                     filesystem of its type on the image is that unfinished mkfs's
  *   volumes/<vol-id>/fences.json      every node's attachment (ControllerPublishVolume, the attach
  *                                     fence) and lease (NodeStageVolume, the node-side fence)
  *   volumes/<vol-id>/attachments/<node>.json, leases/<node>.json   per-node copies of those, for
@@ -97,6 +99,9 @@ export class PoolLayout {
   }
   volumeInitialized(id: string): string {
     return path.join(this.volumeDir(id), 'initialized');
+  }
+  volumeFormatting(id: string): string {
+    return path.join(this.volumeDir(id), 'formatting');
   }
   volumeFences(id: string): string {
     return path.join(this.volumeDir(id), 'fences.json');

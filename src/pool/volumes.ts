@@ -32,7 +32,14 @@ import { allocatedBytes, openImage } from './images.js';
 import type { NodeRegistry } from './nodes.js';
 import type { HeldLock } from './lock.js';
 import { damagedRecord, type Pool } from './pool.js';
-import { isSectorSize, type Lease, parseVolumeMeta, type VolumeMeta } from './types.js';
+import {
+  type FsType,
+  isFsType,
+  isSectorSize,
+  type Lease,
+  parseVolumeMeta,
+  type VolumeMeta,
+} from './types.js';
 
 const LIST_BATCH = 256;
 /** An `initialized` marker is a few dozen bytes; what is read of one at most. */
@@ -293,6 +300,27 @@ export class VolumeStore extends VolumeFences {
       this.layout.volumeInitialized(id),
       json({ by, at, ...(sectorSize ? { sectorSize } : {}) }),
     );
+  }
+
+  /**
+   * Records, durably and before mkfs runs, that a filesystem of `fsType` is being made on the volume:
+   * mkfs stopped half-way (the driver killed, its container replaced) can leave a signature blkid
+   * recognises (an XFS superblock still marked in progress). Until the volume is marked initialized,
+   * a filesystem of that type found on it is that unfinished one, never mounted, and made again.
+   */
+  async markFormatting(id: string, by: string, fsType: FsType): Promise<void> {
+    await writeFileAtomic(
+      this.layout.volumeFormatting(id),
+      json({ by, at: new Date().toISOString(), fsType }),
+    );
+  }
+
+  /** The filesystem a mkfs that began on the volume was making (markFormatting), if one began. */
+  async formatting(id: string): Promise<FsType | undefined> {
+    const r = await readRecord(this.layout.volumeFormatting(id), (v) =>
+      isRecord(v) && isFsType(v.fsType) ? v.fsType : undefined,
+    );
+    return r.state === 'ok' ? r.value : undefined;
   }
 
   /**

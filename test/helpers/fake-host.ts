@@ -27,6 +27,7 @@ import type {
   Usage,
 } from '../../src/host/host.js';
 import type { AttachOptions } from '../../src/host/loop.js';
+import type { FormatOptions } from '../../src/host/filesystem.js';
 import { devToMajorMinor } from '../../src/host/paths.js';
 import type { FsType } from '../../src/pool/types.js';
 
@@ -352,15 +353,15 @@ export class FakeHost implements Host {
     return c.kind === 'filesystem' ? { kind: c.kind, type: c.type } : c;
   }
 
-  /** Like mkfs without force flags: refuses a read-only device, or one that holds a signature. */
-  async format(_x: Exec, fsType: FsType, device: string): Promise<void> {
+  /** Like mkfs: refuses a read-only device, or one that holds a signature unless forced to overwrite a filesystem. */
+  async format(_x: Exec, fsType: FsType, device: string, options?: FormatOptions): Promise<void> {
     const loop = this.attached.get(path.basename(device));
     const before = loop && this.contentOf(loop.image);
     const why = !loop
       ? `${device}: No such device`
       : loop.readOnly
         ? `${device}: Read-only file system`
-        : before?.kind === 'blank'
+        : before?.kind === 'blank' || (options?.force === true && before?.kind === 'filesystem')
           ? ''
           : `${device} contains existing data (${before?.kind}); will not format it`;
     await this.act(`format ${fsType} ${device}`, why);

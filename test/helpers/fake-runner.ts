@@ -19,7 +19,7 @@ export interface Step {
 }
 
 export class ScriptedRunner implements Runner {
-  readonly calls: { command: string; args: readonly string[] }[] = [];
+  readonly calls: { command: string; args: readonly string[]; options: RunOptions }[] = [];
   private next = 0;
 
   constructor(private readonly steps: readonly Step[]) {}
@@ -30,7 +30,7 @@ export class ScriptedRunner implements Runner {
     args: readonly string[],
     options: RunOptions = {},
   ): Promise<RunResult> {
-    this.calls.push({ command, args });
+    this.calls.push({ command, args, options });
     const step = this.steps[this.next++];
     if (!step) throw new Error(`unexpected command: ${command} ${args.join(' ')}`);
     if (step.command !== command)

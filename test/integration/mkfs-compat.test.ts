@@ -52,7 +52,7 @@ describe.skipIf(!isRoot())('mkfs options for older kernels', () => {
       await fs.writeFile(image, '');
       await fs.truncate(image, 320 * 2 ** 20);
       const compat = await mkfsCompat(x, fsType, kernel);
-      await formatDevice(x, fsType, image, compat.args);
+      await formatDevice(x, fsType, image, { compat: compat.args });
       const dev = sh('losetup', ['--find', '--show', image]).trim();
       try {
         sh('mount', ['-t', fsType, dev, mnt]);

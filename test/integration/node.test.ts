@@ -446,6 +446,71 @@ describe.skipIf(!isRoot())('restarts and crashes', () => {
       expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
     },
   );
+
+  it('a mkfs cut short is made again, never kept: a half-made XFS does not become the volume', async () => {
+    const base = await dir('mkfscut');
+    // mkfs.xfs marks its superblock "in progress" first and clears it last: this one is killed after
+    // writing everything else, which blkid still reports as xfs and the kernel refuses to mount.
+    const bin = path.join(base, 'bin');
+    await fs.mkdir(bin);
+    await fs.writeFile(
+      path.join(bin, 'mkfs.xfs'),
+      `#!/bin/sh\nfor a; do dev=$a; done\n/usr/sbin/mkfs.xfs "$@" && xfs_db -x -c 'sb 0' -c 'write inprogress 1' "$dev" >/dev/null\nkill -9 $$\n`,
+      { mode: 0o755 },
+    );
+    const a = await driver({ dir: base, env: { PATH: `${bin}:${process.env.PATH ?? ''}` } });
+    const v = await makeVolume(a, base, 'pvc-mkfscut', mountCap('xfs'), 300 * MiB);
+    expect(await codeOf(v.stage())).not.toBe('OK');
+    await a.stop();
+    const b = await driver({ dir: base });
+    const w = new Vol(b, v.id, v.cap, base);
+    await w.stage();
+    expect(await b.waitForLog((l) => l.includes('formatting again over an unfinished mkfs'))).toBe(true);
+    await w.publish();
+    await fs.writeFile(path.join(w.target(), 'ok'), 'ok');
+    await w.unpublish();
+    await w.unstage();
+    expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+  });
+
+  it('a mkfs does not outlive a driver killed by SIGKILL, and the retry formats the volume', async () => {
+    const base = await dir('mkfsorphan');
+    // mkfs.btrfs writes through a descriptor that does not keep others out: left running, it would
+    // write over the filesystem the retry makes. This one waits before it formats.
+    const bin = path.join(base, 'bin');
+    const pidFile = path.join(base, 'mkfs.pid');
+    await fs.mkdir(bin);
+    await fs.writeFile(
+      path.join(bin, 'mkfs.btrfs'),
+      `#!/bin/sh\ncase "$*" in *list-all*) exec /usr/sbin/mkfs.btrfs "$@";; esac\necho $$ > ${pidFile}\nsleep 2\nexec /usr/sbin/mkfs.btrfs "$@"\n`,
+      { mode: 0o755 },
+    );
+    const a = await driver({ dir: base, env: { PATH: `${bin}:${process.env.PATH ?? ''}` } });
+    const v = await makeVolume(a, base, 'pvc-mkfsorphan', mountCap('btrfs'), 128 * MiB);
+    const staging = codeOf(v.stage());
+    let pid = 0;
+    for (let i = 0; i < 100 && !pid; i++) {
+      pid = Number((await fs.readFile(pidFile, 'utf8').catch(() => '')).trim());
+      if (!pid) await new Promise((r) => setTimeout(r, 50));
+    }
+    expect(pid).toBeGreaterThan(0);
+    await a.stop('SIGKILL');
+    expect(await staging).not.toBe('OK');
+    await new Promise((r) => setTimeout(r, 300));
+    // Gone, or dead and waiting for the host's init to reap it.
+    const state = await fs.readFile(`/proc/${pid}/status`, 'utf8').catch(() => 'State: gone');
+    expect(/^State:\s+(\S+)/m.exec(state)?.[1]).toMatch(/^(gone|Z)$/);
+    const b = await driver({ dir: base });
+    const w = new Vol(b, v.id, v.cap, base);
+    await w.stage();
+    await w.publish();
+    await fs.writeFile(path.join(w.target(), 'ok'), 'ok');
+    await new Promise((r) => setTimeout(r, 2_500)); // as long as the killed mkfs would have waited
+    expect(await fs.readFile(path.join(w.target(), 'ok'), 'utf8')).toBe('ok');
+    await w.unpublish();
+    await w.unstage();
+    expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+  });
 });
 
 describe.skipIf(!isRoot())('the node-side fence', () => {

@@ -64,6 +64,30 @@ describe('decideFormat', () => {
       fsType: 'btrfs',
     });
   });
+  it('makes again only the filesystem an unfinished mkfs of ours was making, on a volume never marked', () => {
+    const xfs = { kind: 'filesystem', type: 'xfs' } as const;
+    expect(decideFormat(xfs, false, '', 'xfs', 'xfs')).toEqual({
+      action: 'format',
+      fsType: 'xfs',
+      force: true,
+    });
+    expect(decideFormat(xfs, false, 'xfs', 'ext4', 'xfs')).toEqual({
+      action: 'format',
+      fsType: 'xfs',
+      force: true,
+    });
+    // Marked initialized: whatever began before, the filesystem there is the volume's.
+    expect(decideFormat(xfs, true, '', 'xfs', 'xfs')).toEqual({ action: 'keep', fsType: 'xfs' });
+    // Another filesystem than the one that mkfs was making is not its leftover.
+    expect(decideFormat(xfs, false, '', 'xfs', 'btrfs')).toEqual({ action: 'keep', fsType: 'xfs' });
+    expect(
+      decideFormat({ kind: 'other', what: 'a dos partition table' }, false, '', 'xfs', 'xfs').action,
+    ).toBe('refuse');
+    expect(decideFormat({ kind: 'blank' }, false, '', 'xfs', 'xfs')).toEqual({
+      action: 'format',
+      fsType: 'xfs',
+    });
+  });
   it('refuses another filesystem, an unknown one, or a partition table', () => {
     expect(decideFormat({ kind: 'filesystem', type: 'xfs' }, true, 'ext4', 'ext4').action).toBe('refuse');
     expect(decideFormat({ kind: 'filesystem', type: 'vfat' }, false, '', 'ext4').action).toBe('refuse');
@@ -100,6 +124,20 @@ describe('formatDevice', () => {
     const runner = new ScriptedRunner([{ command, args }]);
     await formatDevice(fakeContext(runner), fs, DEV);
     expect(runner.done).toBe(true);
+  });
+  it.each([
+    [
+      'ext4',
+      'mkfs.ext4',
+      ['-q', '-F', '-b', '4096', '-m', '0', '-E', 'nodiscard,assume_storage_prezeroed=1', DEV],
+    ],
+    ['xfs', 'mkfs.xfs', ['-q', '-K', '-f', DEV]],
+    ['btrfs', 'mkfs.btrfs', ['-q', '-K', '-f', DEV]],
+  ] as const)('forces %s only when asked to, and always dies with the driver', async (fs, command, args) => {
+    const runner = new ScriptedRunner([{ command, args }]);
+    await formatDevice(fakeContext(runner), fs, DEV, { force: true });
+    expect(runner.done).toBe(true);
+    expect(runner.calls[0]?.options).toMatchObject({ detached: true, diesWithProcess: true });
   });
 });
 
