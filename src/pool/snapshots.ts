@@ -146,7 +146,7 @@ export class SnapshotStore {
         // With the lock lost, another process may own this snapshot now (and have finished it): what is
         // left is that process's, or the next holder's, to clear.
         if (lock.signal.aborted) throw err;
-        await this.pool.discard(dir).catch((cleanupErr: unknown) => {
+        await this.pool.discard(dir, lock).catch((cleanupErr: unknown) => {
           this.log.error({ snapshotId: id, err: cleanupErr }, 'could not remove a failed snapshot');
         });
         throw err;

@@ -151,6 +151,7 @@ export class VolumeStore extends VolumeFences {
         failpoint('create-volume:image-written');
         // Its record of shared blocks (on a pool that reflinks) exists before its image appears.
         const recorded = await this.capacity.markShared(id, sharedBytes ?? 0);
+        lock.assertHeld(); // the image's name is the new holder's once the lock is lost
         await fs.rename(partial, this.layout.volumeImage(id));
         failpoint('create-volume:image-renamed');
         if (initialized) await this.markInitialized(id, 'controller (content source)', sectorSize);
@@ -169,7 +170,7 @@ export class VolumeStore extends VolumeFences {
         // With the lock lost, another process may own this volume now (and have finished it): what is
         // left is that process's, or the next holder's, to clear.
         if (lock.signal.aborted) throw err;
-        await this.pool.discard(dir).catch((cleanupErr: unknown) => {
+        await this.pool.discard(dir, lock).catch((cleanupErr: unknown) => {
           this.log.error({ volumeId: id, err: cleanupErr }, 'could not remove a failed volume creation');
         });
         throw err;
