@@ -18,7 +18,7 @@ import { identityService } from './csi/identity.js';
 import { nodeService, POOL_ID_KEY } from './csi/node.js';
 import { snapshotMetadataRefusing, snapshotMetadataService } from './csi/snapshot-metadata.js';
 import { failedPrecondition } from './errors.js';
-import { bindExec, type Exec, ExecRunner, type Runner } from './exec/runner.js';
+import { bindExec, CLEANUP_MS, type Exec, ExecRunner, type Runner } from './exec/runner.js';
 import { poolStats } from './audit/pool-stats.js';
 import { type Reporter, startReports } from './audit/report.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
@@ -375,6 +375,11 @@ export async function startDriver(
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
+      // Calls cancelled at the timeout undo what they did (a rollback has CLEANUP_MS of its own):
+      // exiting first would leave their devices attached and their leases held.
+      for (const until = Date.now() + CLEANUP_MS; active > 0 && Date.now() < until;)
+        await new Promise((r) => setTimeout(r, 50));
+      if (active > 0) log.warn({ inFlight: active }, 'calls were still undoing their work at exit');
       await looking;
       await serving?.agent?.stop();
       await serving?.guard?.stop();

@@ -9,7 +9,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { type DriverArgs, type DriverProcess, runMain } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, MiB } from '../helpers/host.js';
+import { isRoot, leaksUnder, MiB } from '../helpers/host.js';
 import { createVolume, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -167,6 +167,36 @@ describe('the socket', () => {
           second.clients.node.NodeUnstageVolume({ volume_id: made.id, staging_target_path: staging }),
         ),
       ).toBe('OK');
+    },
+  );
+
+  it.skipIf(!isRoot())(
+    'a call cancelled at the shutdown timeout undoes what it did before the driver exits',
+    async () => {
+      const base = await dir('shutdown-undo');
+      const c = await driver({ dir: base });
+      // A node plugin, as deployed: told to stop (a rollout) while a stage waits at a step.
+      const d = await driver({
+        dir: base,
+        socket: path.join(base, 'node-2.sock'),
+        nodeId: 'node-2',
+        mode: 'node',
+        extra: ['--shutdown-timeout=1'],
+        env: { LOOPVOL_PAUSEPOINT: 'stage:attached:3000' },
+      });
+      const cap = mountCap('ext4');
+      const made = await createVolume(c, `pvc-shutdown-undo-${Date.now().toString(36)}`, cap, 32 * MiB);
+      const staged = codeOf(stage(d, made.id, path.join(base, 'staging'), cap));
+      expect(await d.waitForLog((l) => l.includes('attached loop device'))).toBe(true);
+      d.proc.kill('SIGTERM');
+      expect(await staged).toBe('CANCELLED');
+      expect(await d.exited).toBe(0);
+      // The stage's undo ran to its end: nothing attached or mounted, and the node's lease let go.
+      expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+      const fences = JSON.parse(
+        await fs.readFile(path.join(d.poolDir, 'volumes', made.id, 'fences.json'), 'utf8'),
+      ) as { leases: object };
+      expect(fences.leases).toEqual({});
     },
   );
 
