@@ -48,6 +48,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
       validate: () => null,
       quiet: true,
       run: async () => {
+        await d.volumes.assertPoolPresent(); // nothing is written into an empty mount point
         await d.nodes.register(d.nodeId, d.poolName, d.maxVolumesPerNode);
         return {
           node_id: d.nodeId,

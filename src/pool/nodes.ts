@@ -5,7 +5,7 @@
  */
 import fs from 'node:fs/promises';
 import os from 'node:os';
-import { isNotFoundErrno, unsafe } from '../errors.js';
+import { errnoCode, isNotFoundErrno, unsafe } from '../errors.js';
 import { isRecord, listDir, readJson, removeFile, writeFileAtomic } from './fsutil.js';
 import { isVolumeId } from './ids.js';
 import type { PoolLayout } from './layout.js';
@@ -156,7 +156,7 @@ export class NodeRegistry {
     ) {
       await writeFileAtomic(this.layout.node(node), `${JSON.stringify(record, null, 2)}\n`);
     }
-    await fs.mkdir(this.layout.nodeAttachedDir(node), { recursive: true });
+    await this.makeAttachedDir(node);
     return record;
   }
 
@@ -169,8 +169,15 @@ export class NodeRegistry {
     return (await listDir(this.layout.nodeAttachedDir(node))).filter(isVolumeId);
   }
 
+  /** Not recursive: a pool has nodes/, an empty mount point where the pool should be has not. */
+  private async makeAttachedDir(node: string): Promise<void> {
+    await fs.mkdir(this.layout.nodeAttachedDir(node)).catch((err: unknown) => {
+      if (errnoCode(err) !== 'EEXIST') throw err;
+    });
+  }
+
   async addAttached(node: string, volumeId: string): Promise<void> {
-    await fs.mkdir(this.layout.nodeAttachedDir(node), { recursive: true });
+    await this.makeAttachedDir(node);
     const handle = await fs.open(this.layout.nodeAttached(node, volumeId), 'a');
     await handle.close();
   }

@@ -43,6 +43,9 @@ export interface MappedStatus {
   unexpected: boolean;
 }
 
+/** What a file operation answers when a network filesystem (the pool's) cannot be reached. */
+const UNREACHABLE = new Set(['ENOTCONN', 'ESTALE', 'EHOSTDOWN', 'EHOSTUNREACH', 'ENETUNREACH', 'ETIMEDOUT']);
+
 export function toStatus(err: unknown): MappedStatus {
   if (err instanceof CsiError) {
     return { code: KIND_TO_CODE[err.kind], message: err.message, unexpected: err.kind === 'internal' };
@@ -78,6 +81,14 @@ export function toStatus(err: unknown): MappedStatus {
       code: Code.RESOURCE_EXHAUSTED,
       message: 'The pool filesystem is out of space.',
       unexpected: false,
+    };
+  }
+  const errno = errnoCode(err);
+  if (errno !== undefined && UNREACHABLE.has(errno)) {
+    return {
+      code: Code.UNAVAILABLE,
+      message: `The pool's filesystem does not answer (${errno}); retry once it is back.`,
+      unexpected: true,
     };
   }
   if (err instanceof CommandError && err.reason === 'timeout') {

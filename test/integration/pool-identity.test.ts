@@ -135,7 +135,7 @@ describe.skipIf(!isRoot())('processes starting together on an empty directory', 
 });
 
 describe.skipIf(!isRoot())('a pool that disappears under a running controller', () => {
-  it('is never answered as empty: no listing, no capacity, no delete', async () => {
+  it('is never answered as empty: no listing, no capacity, no delete, no node registered into it', async () => {
     const base = await env.dir('vanish');
     const d = await env.driver({ dir: base });
     const cap = mountCap('ext4');
@@ -155,6 +155,7 @@ describe.skipIf(!isRoot())('a pool that disappears under a running controller', 
       expect(await codeOf(d.clients.controller.DeleteVolume({ volume_id: id }))).toBe('UNAVAILABLE');
       expect(await codeOf(d.clients.controller.ControllerGetVolume({ volume_id: id }))).toBe('UNAVAILABLE');
       expect(await codeOf(d.clients.identity.Probe({}))).toBe('FAILED_PRECONDITION');
+      expect(await codeOf(d.clients.node.NodeGetInfo({}))).toBe('UNAVAILABLE');
       expect(await fs.readdir(d.poolDir)).toEqual([]);
     } finally {
       execFileSync('umount', [d.poolDir]);

@@ -26,6 +26,16 @@ describe('toStatus', () => {
     }
   });
 
+  it('maps a pool filesystem that does not answer (a FUSE or NFS client cut off) to UNAVAILABLE', () => {
+    for (const code of ['ENOTCONN', 'ESTALE', 'EHOSTDOWN', 'EHOSTUNREACH', 'ENETUNREACH', 'ETIMEDOUT']) {
+      const err = Object.assign(new Error(`${code}: lstat '/pool/volumes/x/disk.img'`), { code });
+      expect(toStatus(err)).toMatchObject({ code: status.UNAVAILABLE, unexpected: true });
+      expect(toStatus(err).message).toContain(code);
+    }
+    const other = Object.assign(new Error('EACCES: permission denied'), { code: 'EACCES' });
+    expect(toStatus(other).code).toBe(status.INTERNAL);
+  });
+
   it('maps a command that ran out of space to RESOURCE_EXHAUSTED', () => {
     const err = new CommandError(
       'cp',
