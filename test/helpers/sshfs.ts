@@ -180,6 +180,14 @@ export interface SshfsMount {
   resume(): void;
   /** Resumes the server, unmounts (fusermount3 -u, then umount, then umount -l) and waits for sshfs to exit. */
   unmount(): Promise<void>;
+  /**
+   * The filesystem goes away and comes back, as a network mount does after its connection is lost:
+   * detached lazily (umount -l) and mounted again at the same point by a new sshfs connection, whose
+   * files have other device and inode numbers. Files opened before (a loop device's backing file) keep
+   * the old connection, which ends when the last of them is closed; this mount's unmount() then only
+   * waits for it (killing it after 5 s). Returns the new mount.
+   */
+  reconnect(): Promise<SshfsMount>;
 }
 
 export interface SshServer {
@@ -359,6 +367,12 @@ function makeServer(
           // gone already
         }
         hung = false;
+      },
+      async reconnect() {
+        m.resume();
+        sh('umount', ['-l', mountPoint]);
+        mounted = false;
+        return mountExport(exportDir, mountPoint, opts);
       },
       async unmount() {
         m.resume();
