@@ -26,6 +26,7 @@ import {
   isDeviceBind,
   isFencedIn,
   isThisPoolsVolume,
+  leaseView,
   loopOfMount,
   lookAtHost,
   type NodeDeps,
@@ -141,9 +142,14 @@ export class FenceGuard {
       // Released without this node's word (seen silent, or an operator's release-node) is no reason
       // to keep writing: a node that was only cut off, or not dead after all, still freezes what it has.
       const releasedByOthers = mine.fencedAt !== undefined;
-      const on = await lookAtHost(this.d, this.x, id);
+      // What the lease names counts too: a device the image's identity no longer shows (the pool was
+      // mounted again here) may still be written, and is frozen like any other of the volume's.
+      const { on, doubtful } = await leaseView(this.d, await lookAtHost(this.d, this.x, id), () =>
+        Promise.resolve(mine),
+      );
       const others = await othersLoops(this.d, on);
       const loops = on.loops.filter((l) => !others.has(l.name));
+      const unsure = doubtful.filter((l) => !others.has(l.name));
       if (!mine.readonly && mine.accessType === 'block' && loops.some((l) => !l.readOnly)) {
         if (!this.warned.has(id)) {
           this.warned.add(id);
@@ -192,6 +198,16 @@ export class FenceGuard {
           { volumeId: id, device: loop.path, mountPoint: writable.mountPoint },
           'a volume was taken from this node while mounted for writing: froze its filesystem for good (reboot the node to release it)',
         );
+      }
+      if (unsure.length > 0) {
+        if (!this.warned.has(id)) {
+          this.warned.add(id);
+          this.log.error(
+            { volumeId: id, devices: unsure.map((l) => l.path), stagingPath: mine.stagingPath },
+            "a volume was taken from this node while a loop device its lease names (its device, or one mounted at its staging path) may still be it: its backing file cannot be told apart from the volume's image, so nothing is confirmed; it stays held until that device is gone (unmount and detach it by hand if it is not the volume)",
+          );
+        }
+        return;
       }
       if (hidden) {
         if (!this.warned.has(id)) {

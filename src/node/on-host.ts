@@ -127,6 +127,53 @@ export async function lookAtHost(d: NodeDeps, x: Exec, id: string): Promise<OnHo
   };
 }
 
+/**
+ * This node's own staging as its lease records it, for when the image's identity no longer shows it.
+ * The pool's filesystem mounted again on this host (a network mount that went away and came back)
+ * gives the image another device and inode, while the loop device keeps the file it opened through
+ * the old connection: lookAtHost no longer counts it as the volume's, yet it is, and it may be
+ * written. So a device this node's lease names (revoked or not: a revoked one still records what the
+ * node staged) is judged by the lease too; only a lease taken in this boot names devices and mounts of
+ * this host:
+ *  - `on` gains the device mounted at the lease's staging path that the lease names (when it records
+ *    one) and whose backing path names the volume's image: the volume's, to freeze, unmount and detach;
+ *  - `doubtful` holds any other device the lease names or its staging path shows, unless its backing
+ *    identity was read, is not the image's, and its path names another file (then it is another's).
+ *    It may be the volume: nothing may be confirmed as not writable while one is there, and nothing
+ *    is done to it.
+ * The lease is read (`lease`) only when a device of the host could be either: in the ordinary case
+ * (every device of an image known by its identity) `on` is returned as it was, and nothing is read.
+ */
+export async function leaseView(
+  d: NodeDeps,
+  on: OnHost,
+  lease: () => Promise<Lease | undefined> = () => ownLease(d, on.id),
+): Promise<{ on: OnHost; doubtful: LoopDevice[] }> {
+  const known = new Set(on.loops.map((l) => l.name));
+  const unknown = on.allLoops.filter(
+    (l) => !known.has(l.name) && (l.backing === undefined || pathNames(l, on.id)),
+  );
+  if (unknown.length === 0) return { on, doubtful: [] };
+  const mine = await lease();
+  if (!mine || (mine.bootId !== undefined && mine.bootId !== d.bootId)) return { on, doubtful: [] };
+  const atStaging = on.mounts.filter((m) => m.mountPoint === mine.stagingPath);
+  const staged: LoopDevice[] = [];
+  const doubtful: LoopDevice[] = [];
+  for (const l of unknown) {
+    const mounted = atStaging.some((m) => loopOfMount(m, [l]));
+    if (!mounted && l.name !== mine.device) continue;
+    if (pathNames(l, on.id) && mounted && (mine.device === undefined || l.name === mine.device))
+      staged.push(l);
+    else doubtful.push(l);
+  }
+  return { on: staged.length > 0 ? { ...on, loops: [...on.loops, ...staged] } : on, doubtful };
+}
+
+/** This node's lease on volume `id`, revoked or not. */
+export async function ownLease(d: NodeDeps, id: string): Promise<Lease | undefined> {
+  return (await d.volumes.leases(id)).find((l) => l.node === d.nodeId);
+}
+
 /** The loop device a mount shows: a filesystem on /dev/loopN, or a bind of the device node itself. */
 export function loopOfMount(m: MountEntry, loops: readonly LoopDevice[]): LoopDevice | undefined {
   if (/^\/dev\/loop\d+$/.test(m.source)) return loops.find((l) => l.path === m.source);

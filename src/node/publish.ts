@@ -22,6 +22,7 @@ import {
   foreignMountError,
   isDeviceBind,
   isSymlinkPath,
+  leaseView,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -214,9 +215,12 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   if (!isVolumeId(r.id)) throw missing(`Volume ${r.id} does not exist.`);
   const target = await callerPath(d, r.target, 'target_path');
   const symlink = await isSymlinkPath(d, r.target);
-  const on = await lookAtHost(d, x, r.id);
+  const seen = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   const lease = await d.volumes.lease(r.id, d.nodeId);
+  // A bind of the device this node's lease records at its staging path is the volume's, even when the
+  // image's identity no longer shows it (the pool was mounted again here).
+  const { on } = await leaseView(d, seen);
   checkTargetPlace(on, target, { staging: lease?.stagingPath, kubeletDir: d.kubeletDir });
   const { ours, foreign } = symlink ? { ours: [], foreign: [] } : classifyAt(on, target);
   if (foreign.length > 0) throw foreignMountError(on, target, 'target_path', foreign);

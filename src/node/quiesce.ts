@@ -15,7 +15,15 @@ import type { LoopDevice } from '../host/host.js';
 import type { AnswerState, QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
 import { telemetry } from '../telemetry.js';
 import { type FenceGuard, type KeyLocks, nodeKey } from './fence.js';
-import { isDeviceBind, loopOfMount, lookAtHost, type NodeDeps, othersLoops, stagingLoop } from './on-host.js';
+import {
+  isDeviceBind,
+  leaseView,
+  loopOfMount,
+  lookAtHost,
+  type NodeDeps,
+  othersLoops,
+  stagingLoop,
+} from './on-host.js';
 
 const POLL_MS = 200;
 /** How long an expiry waits to write "expired" before it thaws anyway. */
@@ -253,7 +261,9 @@ export class QuiesceAgent {
     let keep = false;
     try {
       const lease = await this.d.volumes.lease(r.volumeId, this.d.nodeId);
-      const on = await lookAtHost(this.d, this.x, r.volumeId);
+      // The device the lease records at its staging path is frozen even when the image's identity no
+      // longer shows it (the pool was mounted again here); one that may be the volume fails the copy.
+      const { on, doubtful } = await leaseView(this.d, await lookAtHost(this.d, this.x, r.volumeId));
       const loop = lease ? stagingLoop(on.loops, lease, on.mounts) : undefined;
       // Judged by what is mounted here, not by the lease alone: a writable mount of the volume on this
       // host is frozen whatever the records say.
@@ -263,6 +273,12 @@ export class QuiesceAgent {
       const writable = on.mounts.find(
         (m) => !isDeviceBind(m) && !m.superOptions.includes('ro') && loopOfMount(m, mine),
       );
+      if (doubtful.length > 0) {
+        return answer(
+          'failed',
+          `${doubtful.map((l) => l.path).join(', ')}, which this node's lease of the volume names, may be the volume (its backing file cannot be told apart from the image); it cannot be frozen`,
+        );
+      }
       if (!writable) {
         if (lease?.accessType === 'block' && loop && !loop.readOnly) {
           return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');

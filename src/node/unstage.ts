@@ -16,6 +16,7 @@ import {
   foreignMountError,
   isDeviceBind,
   isSymlinkPath,
+  leaseView,
   loopOfMount,
   lookAtHost,
   type NodeDeps,
@@ -36,12 +37,15 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     throw conflict(
       `staging_target_path ${r.staging} is a symbolic link, which the driver never creates; it was left in place.`,
     );
-  const on = await lookAtHost(d, x, r.id);
+  const seen = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   // A volume the pool does not show, on a pool that is not there: nothing here is touched, since its
   // lease could not be let go afterwards (UNAVAILABLE; the kubelet retries once the pool is back).
   if (!known) await d.volumes.assertPoolPresent();
   const lease = await d.volumes.lease(r.id, d.nodeId);
+  // The device this node's lease records, at the staging path it records, is the volume's even when
+  // the image's identity no longer shows it (the pool was mounted again here): it is released too.
+  const { on } = await leaseView(d, seen);
   const atStaging = on.mounts.filter((m) => m.mountPoint === staging);
   if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)
     throw missing(`Volume ${r.id} does not exist.`);

@@ -300,6 +300,68 @@ describe('a lease left by a node on another host', () => {
     expect((await revoked(w, id))?.fencedAt).toBeDefined();
   });
 
+  /** NODE's loop0, as sysfs and losetup show it after the pool was mounted again on this host. */
+  const remounted = (w: World, over: { identity?: { dev: string; ino: string }; shown?: string } = {}) => {
+    const loop = w.host.attached.get('loop0');
+    if (!loop) throw new Error('loop0 is not attached');
+    loop.identity = over.identity ?? { dev: '0:99', ino: '7' }; // the old connection's file
+    if (over.shown !== undefined) loop.backingFile = over.shown;
+  };
+
+  it('still knows its staging after the pool was mounted again (the image has another identity): freezes, then confirms', async () => {
+    const { w, id } = await takenFromNode();
+    remounted(w, { shown: `/volumes/${id}/disk.img` });
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.frozen.size).toBe(1);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
+    // Its kubelet's teardown: the pod's bind goes, the fenced staging waits for a reboot.
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('FAILED_PRECONDITION');
+  });
+
+  it('releases its staging after the pool was mounted again: unpublish and unstage tear it down', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    remounted(w);
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('OK');
+    expect(w.host.table).toEqual([]);
+    expect([...w.host.attached.keys()]).toEqual([]);
+    expect(await w.volumes.lease(id, NODE)).toBeUndefined();
+  });
+
+  it('confirms nothing, and tears nothing down, while a device at its staging path may be the volume', async () => {
+    const { w, id } = await takenFromNode();
+    // Neither its identity (losetup cannot say) nor its path (another file's) shows it as the volume's.
+    remounted(w, { shown: '/elsewhere/disk.img' });
+    w.host.identityReadable = false;
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.frozen.size).toBe(0);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
+    const from = w.host.ops.length;
+    expect(await codeOf(unpublish(w, id))).toBe('FAILED_PRECONDITION');
+    expect(await codeOf(unstage(w, id))).toBe('FAILED_PRECONDITION');
+    expect(w.host.ops.slice(from)).toEqual([]);
+  });
+
+  it("lets a device at its staging path go as another's only when its identity and path both say so", async () => {
+    const { w, id } = await takenFromNode();
+    remounted(w, { shown: '/other-pool/volumes/vol-00000000000000000000000000000000/disk.img' });
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect(w.host.frozen.size).toBe(0);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/nothing of it was writable here/);
+    expect(await codeOf(unpublish(w, id))).toBe('FAILED_PRECONDITION');
+  });
+
   it("never hides this node's own staging: unpublish and unstage tear it down", async () => {
     const { w, id } = await movedFromAnotherHost();
     expect(await codeOf(unpublish(w, id))).toBe('OK');
