@@ -1,7 +1,7 @@
 /**
  * NodeStageVolume: how a volume is staged on this host.
  *
- *  1. Answer at once when it is already staged as asked (the host's mount table decides).
+ *  1. Answer at once when it is already staged as asked (the host's mount table decides; restage.ts).
  *  2. Take this node's lease on the volume: the node-side fence (no other node may hold it).
  *  3. Attach the image as a loop device, or reuse an attachment an interrupted call left.
  *  4. Raw block: done (the lease records the device). Filesystem: decide under the volume's format
@@ -10,15 +10,16 @@
  * Every step the call took is undone when a later one fails, or when the caller gives up (cancelled,
  * or past its deadline): the undo runs detached from the caller's cancellation.
  */
-import { broken, conflict, invalid, mismatch } from '../errors.js';
+import { broken, conflict, invalid } from '../errors.js';
 import { checkpoint, detached, type Exec } from '../exec/runner.js';
 import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
-import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
+import { mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
+import { alreadyStaged } from './restage.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
   callerPath,
@@ -32,11 +33,9 @@ import {
   lookAtHost,
   mustGetVolume,
   type NodeDeps,
-  type OnHost,
   othersLoops,
   refuseHidingFiles,
   shows,
-  stagingLoop,
 } from './on-host.js';
 
 export interface StageRequest {
@@ -275,12 +274,6 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   }
 }
 
-/** The same mount flags, in any order, `ro` and `rw` aside (the access mode and the mount decide those). */
-function sameFlags(a: readonly string[], b: readonly string[]): boolean {
-  const set = (xs: readonly string[]) => [...new Set(xs.filter((f) => f !== 'ro' && f !== 'rw'))].sort();
-  return set(a).join('\0') === set(b).join('\0');
-}
-
 /** A loop device as attached: its name and the backing file's path as sysfs shows it. */
 const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;
 
@@ -330,69 +323,4 @@ async function dropLeaseIfGone(d: NodeDeps, x: Exec, id: string): Promise<void> 
     return;
   }
   await d.volumes.dropLease(id, d.nodeId);
-}
-
-/**
- * True when the volume is already staged at `staging` as asked (then the lease is refreshed); throws
- * when it is staged in a way this request contradicts.
- */
-async function alreadyStaged(
-  d: NodeDeps,
-  on: OnHost,
-  r: StageRequest,
-  staging: string,
-  readOnly: boolean,
-  ownLease: Lease | undefined,
-): Promise<boolean> {
-  const { cap } = r;
-  if (cap.accessType === 'mount') {
-    const top = on.mounts.filter((m) => m.mountPoint === staging).at(-1);
-    if (top) {
-      const loop = on.loops.find((l) => l.path === top.source);
-      if (!loop) throw conflict(`${staging} already has ${top.source} mounted, which is not volume ${r.id}.`);
-      if (
-        (cap.fsType !== '' && top.fsType !== cap.fsType) ||
-        isReadOnlyMount(top) !== (readOnly || cap.mountFlags.includes('ro')) ||
-        ownLease?.accessType === 'block'
-      ) {
-        throw mismatch(
-          `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
-        );
-      }
-      const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;
-      if (recorded !== undefined && !sameFlags(recorded, cap.mountFlags)) {
-        throw mismatch(
-          `Volume ${r.id} is already staged at ${staging} with mount flags [${recorded.join(',')}], not [${cap.mountFlags.join(',')}]; unstage it to change them.`,
-        );
-      }
-      await d.volumes.takeLease(r.id, {
-        node: d.nodeId,
-        stagingPath: staging,
-        accessType: 'mount',
-        mode: cap.mode,
-        readonly: readOnly,
-        since: new Date().toISOString(),
-        bootId: d.bootId,
-        ...(recorded === undefined ? {} : { mountFlags: recorded }),
-      });
-      return true;
-    }
-  }
-  const live = ownLease ? stagingLoop(on.loops, ownLease, on.mounts) : undefined;
-  if (!ownLease || !live) return false;
-  if (ownLease.stagingPath !== staging) {
-    throw conflict(
-      `Volume ${r.id} is already staged on this node at ${ownLease.stagingPath}; unstage it there first.`,
-    );
-  }
-  if (ownLease.accessType === 'block' && cap.accessType === 'block') {
-    if (ownLease.mode !== cap.mode || ownLease.readonly !== readOnly) {
-      throw mismatch(`Volume ${r.id} is already staged at ${staging} with access mode ${ownLease.mode}.`);
-    }
-    return true;
-  }
-  if (ownLease.accessType !== cap.accessType) {
-    throw mismatch(`Volume ${r.id} is already staged at ${staging} for ${ownLease.accessType} access.`);
-  }
-  return false;
 }
