@@ -23,6 +23,7 @@ import type { VolumeStore } from '../pool/volumes.js';
 import { method, type Methods } from '../server/call.js';
 import type { CopyDeps } from './consistency.js';
 import { createVolumeMethod, requestedFsType, sameStrings } from './create-volume.js';
+import { POOL_ID_KEY, PUBLISH_POOL_KEY, PUBLISH_READONLY_KEY } from './node.js';
 import { volumeMessage } from './messages.js';
 import { parseMutableParameters, parseVolumeParameters } from './parameters.js';
 import { snapshotMethods } from './snapshots.js';
@@ -150,9 +151,10 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
         );
         return {
           publish_context: {
-            'loopvol.csi.io/pool': poolName,
-            'loopvol.csi.io/pool-id': d.pool.id,
-            'loopvol.csi.io/readonly': String(v.readonly),
+            [PUBLISH_POOL_KEY]: poolName,
+            [POOL_ID_KEY]: d.pool.id,
+            // The node stages and publishes the volume read-only when this says so (or its attachment does).
+            [PUBLISH_READONLY_KEY]: String(v.readonly),
           },
         };
       },

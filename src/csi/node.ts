@@ -3,7 +3,7 @@
  * key, which a freeze for a snapshot holds too), and calls the algorithm in src/node/ that does the
  * work: stage.ts, unstage.ts, publish.ts (publish and unpublish), stats.ts, grow.ts (expand).
  */
-import { failedPrecondition } from '../errors.js';
+import { failedPrecondition, invalidArgument } from '../errors.js';
 import type { NodeHandlers } from '../gen/csi/v1/Node.js';
 import type { NodeGetCapabilitiesResponse } from '../gen/csi/v1/NodeGetCapabilitiesResponse.js';
 import type { NodeServiceCapability } from '../gen/csi/v1/NodeServiceCapability.js';
@@ -29,6 +29,16 @@ export const NODE_CAPABILITIES = [
 export const PUBLISH_POOL_KEY = 'loopvol.csi.io/pool';
 /** The volume (and publish) context key that carries the id of the volume's pool. */
 export const POOL_ID_KEY = 'loopvol.csi.io/pool-id';
+/** The publish context key that says whether ControllerPublishVolume published the volume read-only. */
+export const PUBLISH_READONLY_KEY = 'loopvol.csi.io/readonly';
+
+/** Whether the publish context says the volume was published to this node read-only. */
+function publishedReadOnly(context: Record<string, string>): boolean {
+  const value = context[PUBLISH_READONLY_KEY];
+  if (value === undefined || value === 'false') return false;
+  if (value === 'true') return true;
+  throw invalidArgument(`publish_context ${PUBLISH_READONLY_KEY} must be "true" or "false", not "${value}".`);
+}
 
 export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
   const locks = (v: { id: string }): string[] => [nodeKey(v.id)];
@@ -65,6 +75,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
         cap: parseCapability(req.volume_capability, 'volume_capability'),
         publishPool: req.publish_context[PUBLISH_POOL_KEY],
         poolId: req.volume_context[POOL_ID_KEY] ?? req.publish_context[POOL_ID_KEY],
+        publishedReadOnly: publishedReadOnly(req.publish_context),
       }),
       locks,
       run: async (v, ctx) => {
@@ -101,6 +112,7 @@ export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
           cap,
           staging: requirePath(req.staging_target_path, 'staging_target_path'),
           readonly: req.readonly,
+          publishedReadOnly: publishedReadOnly(req.publish_context),
         };
       },
       locks,

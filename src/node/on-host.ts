@@ -16,7 +16,7 @@ import { normalPath, sameFile } from '../host/paths.js';
 import { isVolumeId } from '../pool/ids.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import type { FencedEntry, NodeRegistry } from '../pool/nodes.js';
-import { isReaderOnly, type Lease, type VolumeMeta } from '../pool/types.js';
+import { type AccessMode, isReaderOnly, type Lease, type VolumeMeta } from '../pool/types.js';
 import type { VolumeStore } from '../pool/volumes.js';
 
 export interface NodeDeps {
@@ -205,7 +205,23 @@ export function stagingLoop(
     return named && !mounts.some((m) => m.source === named.path) ? named : undefined;
   }
   if (lease.device !== undefined) return loops.find((l) => l.name === lease.device);
-  return loops.find((l) => l.readOnly === isReaderOnly(lease.mode));
+  return loops.find((l) => l.readOnly === lease.readonly);
+}
+
+/**
+ * Whether this node holds the volume read-only (a read-only loop device, a read-only mount): its access
+ * mode is a reader's, or the controller published it to this node read-only (ControllerPublishVolume
+ * `readonly`). The publish context the CO passes says the latter, and so does the pool's attachment
+ * record, which the node reads for its fence anyway: either one is enough.
+ */
+export async function heldReadOnly(
+  d: NodeDeps,
+  id: string,
+  mode: AccessMode,
+  publishedReadOnly: boolean,
+): Promise<boolean> {
+  if (isReaderOnly(mode) || publishedReadOnly) return true;
+  return (await d.volumes.attachments(id)).some((a) => a.node === d.nodeId && a.readonly);
 }
 
 /**

@@ -75,6 +75,8 @@ export interface PublishRequest {
   target: string;
   cap: Capability;
   readonly: boolean;
+  /** The controller published the volume to this node read-only, as the publish context says. */
+  publishedReadOnly: boolean;
 }
 
 type Undo = (x: Exec) => Promise<unknown>;
@@ -94,10 +96,19 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   if (lease.accessType !== r.cap.accessType) {
     throw conflict(`Volume ${r.id} is staged for ${lease.accessType} access, not ${r.cap.accessType}.`);
   }
+  if (r.publishedReadOnly && !staged.readOnly) {
+    // NodeStageVolume stages such a volume on a read-only device; this staging predates the publish.
+    throw conflict(
+      `Volume ${r.id} was published to this node read-only, but is staged at ${staging} read-write; unstage it and stage it again.`,
+    );
+  }
   const isBlock = r.cap.accessType === 'block';
   const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+  // A volume staged on a read-only device (a reader's access mode, or published read-only) is
+  // published read-only whatever this call's own readonly says.
   const readOnly =
     r.readonly ||
+    staged.readOnly ||
     isReaderOnly(r.cap.mode) ||
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));

@@ -35,11 +35,12 @@ export async function alreadyStaged(
       if (!loop) throw conflict(`${staging} already has ${top.source} mounted, which is not volume ${r.id}.`);
       if (
         (cap.fsType !== '' && top.fsType !== cap.fsType) ||
+        loop.readOnly !== readOnly ||
         isReadOnlyMount(top) !== (readOnly || cap.mountFlags.includes('ro')) ||
         ownLease?.accessType === 'block'
       ) {
         throw mismatch(
-          `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
+          `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${loop.readOnly ? ' on a read-only device' : isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
         );
       }
       const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;
@@ -69,8 +70,10 @@ export async function alreadyStaged(
     );
   }
   if (ownLease.accessType === 'block' && cap.accessType === 'block') {
-    if (ownLease.mode !== cap.mode || ownLease.readonly !== readOnly) {
-      throw mismatch(`Volume ${r.id} is already staged at ${staging} with access mode ${ownLease.mode}.`);
+    if (ownLease.mode !== cap.mode || ownLease.readonly !== readOnly || live.readOnly !== readOnly) {
+      throw mismatch(
+        `Volume ${r.id} is already staged at ${staging} with access mode ${ownLease.mode}${live.readOnly ? ', read-only' : ''}.`,
+      );
     }
     return true;
   }

@@ -15,7 +15,7 @@ import { checkpoint, detached, type Exec } from '../exec/runner.js';
 import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
 import { mountErrorLine } from '../host/mounts.js';
-import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
+import type { Capability, FsType, Lease } from '../pool/types.js';
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
@@ -27,6 +27,7 @@ import {
   classifyAt,
   fencedDevices,
   fencedError,
+  heldReadOnly,
   isDeviceBind,
   isSymlinkPath,
   loopOfMount,
@@ -46,6 +47,8 @@ export interface StageRequest {
   publishPool: string | undefined;
   /** The id of the volume's pool (volume or publish context), when it said. */
   poolId: string | undefined;
+  /** The controller published the volume to this node read-only, as the publish context says. */
+  publishedReadOnly: boolean;
 }
 
 /** Mount options for a staged filesystem. XFS always gets nouuid, so a clone mounts beside its source. */
@@ -86,7 +89,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     throw invalid(
       `staging_target_path ${r.staging} is a symbolic link; the driver stages on a path it creates.`,
     );
-  const readOnly = isReaderOnly(r.cap.mode);
+  const readOnly = await heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly);
   const on = await lookAtHost(d, x, r.id);
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);

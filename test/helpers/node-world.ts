@@ -161,7 +161,14 @@ export async function newVolume(
 }
 
 export const stage = (w: World, id: string, over: Partial<Capability> = {}) =>
-  stageVolume(w.d, w.x, { id, staging: STAGING, cap: cap(over), publishPool: undefined, poolId: undefined });
+  stageVolume(w.d, w.x, {
+    id,
+    staging: STAGING,
+    cap: cap(over),
+    publishPool: undefined,
+    poolId: undefined,
+    publishedReadOnly: false,
+  });
 export const unstage = (w: World, id: string) => unstageVolume(w.d, w.x, { id, staging: STAGING });
 export const publish = (
   w: World,
@@ -169,7 +176,15 @@ export const publish = (
   over: Partial<Capability> = {},
   readonly = false,
   target = TARGET,
-) => publishVolume(w.d, w.x, { id, staging: STAGING, target, cap: cap(over), readonly });
+) =>
+  publishVolume(w.d, w.x, {
+    id,
+    staging: STAGING,
+    target,
+    cap: cap(over),
+    readonly,
+    publishedReadOnly: false,
+  });
 export const unpublish = (w: World, id: string, target = TARGET) => unpublishVolume(w.d, w.x, { id, target });
 
 /** The gRPC code a call ends with ('OK' when it succeeds). */

@@ -478,7 +478,14 @@ describe('freezes for copies', () => {
     for (const [i, id] of ids.entries()) {
       const staging = `${STAGING}-${i}`;
       w.host.addPath(staging);
-      await stageVolume(w.d, w.x, { id, staging, cap: cap(), publishPool: undefined, poolId: undefined });
+      await stageVolume(w.d, w.x, {
+        id,
+        staging,
+        cap: cap(),
+        publishPool: undefined,
+        poolId: undefined,
+        publishedReadOnly: false,
+      });
     }
     const { board, agent, answered } = await agentOf(w);
     const write = board.writeAnswers.bind(board);

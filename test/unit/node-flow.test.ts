@@ -480,7 +480,14 @@ describe('a stage that fails undoes what it did', () => {
     const staging = `${STAGING}-2`;
     w.host.addPath(staging);
     const code = await codeOf(
-      stageVolume(w.d, w.x, { id, staging, cap: cap(), publishPool: undefined, poolId: undefined }),
+      stageVolume(w.d, w.x, {
+        id,
+        staging,
+        cap: cap(),
+        publishPool: undefined,
+        poolId: undefined,
+        publishedReadOnly: false,
+      }),
     );
     expect({
       code,
@@ -523,6 +530,7 @@ describe('a stage that fails undoes what it did', () => {
       cap: cap(),
       publishPool: undefined,
       poolId: undefined,
+      publishedReadOnly: false,
     });
     w.host.addPath(STAGING);
     w.host.addPath(path.dirname(TARGET));
@@ -589,6 +597,7 @@ describe('a stage that fails undoes what it did', () => {
       cap: cap(),
       publishPool: undefined,
       poolId: undefined,
+      publishedReadOnly: false,
     });
     expect(await codeOf(staged)).toBe('CANCELLED');
     expect(w.host.ops.slice(-2)).toEqual([`umount ${STAGING}`, 'detach loop0']);

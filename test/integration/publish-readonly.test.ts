@@ -1,0 +1,179 @@
+/**
+ * ControllerPublishVolume's `readonly` on the node, with real loop devices and mounts (root only): a
+ * volume published read-only to a node is staged on a read-only loop device, mounted read-only, and
+ * published read-only whatever NodePublishVolume's own `readonly` says, so a pod's writes fail; the
+ * node knows it from the publish context and from the pool's attachment record. A staging that does not
+ * match how the volume is published gets the spec's answer, never a silent mismatch.
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
+import type { DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
+import { codeOf } from '../helpers/grpc.js';
+import { isRoot, leaksUnder, MiB } from '../helpers/host.js';
+
+const env = new TestEnv();
+afterAll(async () => {
+  expect(await env.teardown()).toEqual([]);
+});
+
+type Context = Record<string, string>;
+
+describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolume readonly)', () => {
+  let d: DriverProcess;
+  let base: string;
+  beforeAll(async () => {
+    base = await env.dir('publish-ro');
+    d = await env.driver({ dir: base });
+  });
+
+  /** A new volume and the kubelet's calls for it on node-1, with the publish context they pass on. */
+  async function volume(name: string, cap: VolumeCapability, size: number) {
+    const res = await d.clients.controller.CreateVolume({
+      name,
+      capacity_range: { required_bytes: String(size) },
+      volume_capabilities: [cap],
+    });
+    const id = res.volume?.volume_id ?? '';
+    const staging = path.join(base, `staging-${id}`);
+    const target = (n: number): string => path.join(base, `pod-${n}`, id);
+    const isBlock = cap.block !== undefined;
+    return {
+      id,
+      staging,
+      target,
+      controllerPublish: async (readonly: boolean): Promise<Context> =>
+        (
+          await d.clients.controller.ControllerPublishVolume({
+            volume_id: id,
+            node_id: 'node-1',
+            volume_capability: cap,
+            readonly,
+          })
+        ).publish_context,
+      controllerUnpublish: () =>
+        d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' }),
+      stage: async (publish_context: Context) => {
+        await fs.mkdir(staging, { recursive: true });
+        return d.clients.node.NodeStageVolume({
+          volume_id: id,
+          staging_target_path: staging,
+          volume_capability: cap,
+          publish_context,
+        });
+      },
+      publish: async (n: number, publish_context: Context, readonly = false) => {
+        await fs.mkdir(path.dirname(target(n)), { recursive: true });
+        return d.clients.node.NodePublishVolume({
+          volume_id: id,
+          staging_target_path: staging,
+          target_path: target(n),
+          volume_capability: cap,
+          publish_context,
+          readonly,
+        });
+      },
+      unpublish: (n: number) => d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target(n) }),
+      unstage: () => d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging }),
+      /** Whether the volume's one loop device on this host is read-only (sysfs `ro`). */
+      deviceReadOnly: async (): Promise<boolean> => {
+        const loops = (await leaksUnder(path.join(d.poolDir, 'volumes', id))).loops;
+        expect(loops).toHaveLength(1);
+        const dev = (loops[0] ?? '').split(' ')[0]?.replace('/dev/', '') ?? '';
+        return (await fs.readFile(`/sys/block/${dev}/ro`, 'utf8')).trim() === '1';
+      },
+      loops: async () => (await leaksUnder(path.join(d.poolDir, 'volumes', id))).loops,
+      /** A pod's write through target `n`: the error code it ends with, or 'written'. */
+      write: async (n: number): Promise<string> => {
+        const file = isBlock ? target(n) : path.join(target(n), 'pod-wrote-this');
+        try {
+          const h = await fs.open(file, isBlock ? 'r+' : 'w');
+          try {
+            await h.write(Buffer.alloc(4096, 0x5a), 0, 4096, 0);
+            await h.sync();
+          } finally {
+            await h.close();
+          }
+          return 'written';
+        } catch (err) {
+          return (err as NodeJS.ErrnoException).code ?? String(err);
+        }
+      },
+    };
+  }
+
+  it.each(['ext4', 'xfs'])(
+    'stages a never-formatted %s volume read-only and a pod cannot write it',
+    async (fsType) => {
+      const v = await volume(`pvc-pub-ro-${fsType}`, mountCap(fsType), 320 * MiB);
+      const ctx = await v.controllerPublish(true);
+      expect(ctx['loopvol.csi.io/readonly']).toBe('true');
+      await v.stage(ctx); // formats through a read-write attachment, then attaches read-only
+      expect(await v.deviceReadOnly()).toBe(true);
+      await v.publish(1, ctx, false); // the pod's own readonly is false: the controller's decides
+      expect(await v.write(1)).toBe('EROFS');
+      await expect(fs.writeFile(path.join(v.staging, 'x'), 'x')).rejects.toThrow(/EROFS/);
+      // Repeats are idempotent, also without the publish context: the pool's attachment record says it.
+      expect(await codeOf(v.stage(ctx))).toBe('OK');
+      expect(await codeOf(v.stage({}))).toBe('OK');
+      expect(await codeOf(v.publish(1, ctx, false))).toBe('OK');
+      expect(await codeOf(v.publish(1, {}, true))).toBe('OK');
+      await v.unpublish(1);
+      await v.unstage();
+      expect(await v.loops()).toEqual([]);
+      await v.controllerUnpublish();
+    },
+  );
+
+  it('stages a raw block volume on a read-only device and a pod cannot write it', async () => {
+    const v = await volume('pvc-pub-ro-block', blockCap(), 16 * MiB);
+    const ctx = await v.controllerPublish(true);
+    await v.stage(ctx);
+    expect(await v.deviceReadOnly()).toBe(true);
+    await v.publish(1, ctx, false);
+    // A read-only block device answers a write with EPERM (the kernel's code for it), not EROFS.
+    expect(await v.write(1)).toBe('EPERM');
+    expect(await codeOf(v.stage({}))).toBe('OK');
+    expect(await codeOf(v.publish(1, ctx, false))).toBe('OK');
+    await v.unpublish(1);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+    await v.controllerUnpublish();
+  });
+
+  it.each([
+    ['mount', mountCap('ext4')],
+    ['block', blockCap()],
+  ] as const)(
+    'answers a %s staging that does not match how the volume is published by the spec',
+    async (kind, cap) => {
+      const v = await volume(`pvc-pub-ro-mismatch-${kind}`, cap, 32 * MiB);
+      const rw = await v.controllerPublish(false);
+      expect(rw['loopvol.csi.io/readonly']).toBe('false');
+      await v.stage(rw);
+      expect(await v.deviceReadOnly()).toBe(false);
+      const ro = { ...rw, 'loopvol.csi.io/readonly': 'true' };
+      // Staged read-write at this path; read-only asked: "volume published but is incompatible".
+      expect(await codeOf(v.stage(ro))).toBe('ALREADY_EXISTS');
+      // A publish of a read-only publication on a read-write staging: the staging must change first.
+      expect(await codeOf(v.publish(1, ro))).toBe('FAILED_PRECONDITION');
+      expect(await codeOf(v.publish(1, { ...rw, 'loopvol.csi.io/readonly': 'maybe' }))).toBe(
+        'INVALID_ARGUMENT',
+      );
+      await v.publish(1, rw);
+      expect(await v.write(1)).toBe('written');
+      await v.unpublish(1);
+      await v.unstage();
+
+      // The reverse: staged read-only (as a read-only publish context says), then asked read-write.
+      await v.stage(ro);
+      expect(await v.deviceReadOnly()).toBe(true);
+      expect(await codeOf(v.stage(rw))).toBe('ALREADY_EXISTS');
+      await v.unstage();
+      expect(await v.loops()).toEqual([]);
+      await v.controllerUnpublish();
+    },
+  );
+});
