@@ -112,6 +112,12 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     isReaderOnly(r.cap.mode) ||
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));
+  // The filesystem is the one staged: another fs_type at a target already published is an incompatible
+  // repeat (ALREADY_EXISTS), at a new target a capability the staged volume does not have.
+  const otherFs =
+    stagedMount !== undefined && r.cap.fsType !== '' && r.cap.fsType !== stagedMount.fsType
+      ? stagedMount.fsType
+      : undefined;
   const options = bindOptions(readOnly, stagedMount, r.cap.mountFlags);
   checkTargetPlace(on, target, { staging, kubeletDir: d.kubeletDir });
 
@@ -122,12 +128,20 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     if (!loop || isDeviceBind(existing) !== isBlock) {
       throw conflict(`${target} already has a mount of ${existing.source} that is not volume ${r.id}.`);
     }
+    if (otherFs !== undefined) {
+      throw mismatch(`Volume ${r.id} is already published at ${target} as ${otherFs}, not ${r.cap.fsType}.`);
+    }
     if (isReadOnlyMount(existing) !== readOnly) {
       throw mismatch(
         `Volume ${r.id} is already published at ${target} ${isReadOnlyMount(existing) ? 'read-only' : 'read-write'}.`,
       );
     }
     return;
+  }
+  if (otherFs !== undefined) {
+    throw conflict(
+      `Volume ${r.id} is staged at ${staging} as ${otherFs}; it cannot be published as ${r.cap.fsType}.`,
+    );
   }
   if (!manyTargets(r.cap.mode)) {
     // This node's other publications (not another node plugin's stagings on a shared host).

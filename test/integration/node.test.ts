@@ -241,7 +241,16 @@ describe.skipIf(!isRoot())('node lifecycle', () => {
     await v.stage();
     expect(await codeOf(v.stage(mountCap('xfs')))).toBe('ALREADY_EXISTS');
     expect(await codeOf(v.stage(mountCap('ext4'), path.join(base, 'elsewhere')))).toBe('FAILED_PRECONDITION');
+    // Staged as ext4: another fs_type at a new target asks for what the volume is not ("exceeds
+    // capabilities"); at the target already published, it is an incompatible repeat.
+    expect(await codeOf(v.publish(1, false, mountCap('xfs')))).toBe('FAILED_PRECONDITION');
+    await expect(fs.stat(v.target(1))).rejects.toThrow(/ENOENT/);
     await v.publish(1);
+    expect(await codeOf(v.publish(1, false, mountCap('xfs')))).toBe('ALREADY_EXISTS');
+    expect(await codeOf(v.publish(1, false, mountCap('')))).toBe('OK');
+    expect(await codeOf(v.publish(2, false, mountCap('xfs', 'SINGLE_NODE_MULTI_WRITER')))).toBe(
+      'FAILED_PRECONDITION',
+    );
     expect(await codeOf(v.publish(2))).toBe('FAILED_PRECONDITION'); // SINGLE_NODE_WRITER: one target
     const multi = mountCap('ext4', 'SINGLE_NODE_MULTI_WRITER');
     await v.publish(3, false, multi);
