@@ -198,6 +198,46 @@ describe('NodeStageVolume', () => {
     expect(w.host.mountsAt(STAGING)[0]?.options).toContain('ro');
   });
 
+  it('stages read-only a volume the pool records as published to this node read-only, whatever the context says', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    const att = {
+      node: NODE,
+      readonly: true,
+      accessType: 'mount',
+      mode: 'SINGLE_NODE_WRITER',
+      since: 'x',
+    } as const;
+    await w.volumes.publish(id, att, 8);
+    await stage(w, id); // no publish context: the attachment record says read-only
+    expect(w.host.ops.at(-1)).toBe(`mount ext4 /dev/loop0 ${STAGING} -o ro,noload`);
+    expect(w.host.ops.filter((o) => o.startsWith('attach')).at(-1)).toBe(`attach ${image} ro`);
+    expect((await w.volumes.lease(id, NODE))?.readonly).toBe(true);
+    await publish(w, id, {}, false);
+    expect(w.host.mountsAt(TARGET)[0]?.options).toContain('ro');
+    expect(await codeOf(stage(w, id))).toBe('OK');
+  });
+
+  it('answers ALREADY_EXISTS to a stage whose publish context says read-only over a read-write staging, and the reverse', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const withContext = (publishedReadOnly: boolean) =>
+      stageVolume(w.d, w.x, {
+        id,
+        staging: STAGING,
+        cap: cap(),
+        publishPool: undefined,
+        poolId: undefined,
+        publishedReadOnly,
+      });
+    await withContext(false);
+    expect(await during(w, () => withContext(true))).toEqual({ code: 'ALREADY_EXISTS', ops: [] });
+    await unstage(w, id);
+    await withContext(true);
+    expect(must(w.host.attached.get('loop0'), 'loop0').readOnly).toBe(true);
+    expect(await during(w, () => withContext(false))).toEqual({ code: 'ALREADY_EXISTS', ops: [] });
+  });
+
   it.each<[string, Partial<Capability>]>([
     ['another filesystem', { fsType: 'xfs' }],
     ['read-only access', { mode: 'SINGLE_NODE_READER_ONLY' }],
