@@ -89,8 +89,10 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     throw invalid(
       `staging_target_path ${r.staging} is a symbolic link; the driver stages on a path it creates.`,
     );
-  const readOnly = await heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly);
-  const on = await lookAtHost(d, x, r.id);
+  const [readOnly, on] = await Promise.all([
+    heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly),
+    lookAtHost(d, x, r.id),
+  ]);
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
