@@ -136,6 +136,10 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
         `Volume ${r.id} is already published at ${target} ${isReadOnlyMount(existing) ? 'read-only' : 'read-write'}.`,
       );
     }
+    // A publish cut short between the bind and its remount (see checkBindFlags) left the pod's promises
+    // unkept: the retry keeps them before answering OK.
+    if (!options.every((o) => !SECURITY_FLAGS.includes(o) || existing.options.includes(o)))
+      await checkBindFlags(d, x, r.id, target, options);
     return;
   }
   if (otherFs !== undefined) {

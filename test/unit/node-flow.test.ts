@@ -781,6 +781,23 @@ describe('NodePublishVolume', () => {
     },
   );
 
+  it('a retry after a publish cut short between the bind and its remount keeps the security flags', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id, { mountFlags: ['nosuid', 'nodev', 'noexec'] });
+    await publish(w, id);
+    // What a driver killed right after the bind (on a util-linux that drops the flags) leaves.
+    const bound = w.host.mountsAt(TARGET).at(-1);
+    if (!bound) throw new Error('not published');
+    bound.options = ['rw'];
+    expect(await during(w, () => publish(w, id))).toEqual({
+      code: 'OK',
+      ops: [`remount ${TARGET} -o nosuid,nodev,noexec`],
+    });
+    expect(w.host.mountsAt(TARGET)[0]?.options).toEqual(['rw', 'nosuid', 'nodev', 'noexec']);
+    expect(await during(w, () => publish(w, id))).toEqual({ code: 'OK', ops: [] });
+  });
+
   it.each<[string, boolean]>([
     ['mkdir', false],
     ['bind', false],
