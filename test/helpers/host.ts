@@ -209,3 +209,26 @@ export const MiB = 2 ** 20;
 export const GiB = 2 ** 30;
 
 export const isRoot = (): boolean => process.getuid?.() === 0;
+
+/**
+ * What a reboot of a fenced node would end: mounts each device's frozen ext4 superblock again (the
+ * kernel hands back the frozen one), thaws it and unmounts it, so the loop device can go.
+ */
+export async function thawFenced(devices: readonly string[]): Promise<void> {
+  for (const dev of devices) {
+    const mp = await fs.mkdtemp('/tmp/loopvol-test-thaw-');
+    try {
+      execFileSync('mount', ['-t', 'ext4', dev, mp], { stdio: 'ignore' });
+      execFileSync('fsfreeze', ['--unfreeze', mp], { stdio: 'ignore' });
+    } catch {
+      // not frozen, or gone
+    } finally {
+      try {
+        execFileSync('umount', [mp], { stdio: 'ignore' });
+      } catch {
+        // was not mounted
+      }
+      await fs.rm(mp, { recursive: true, force: true });
+    }
+  }
+}

@@ -12,29 +12,12 @@ import { afterAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
 const fencedDevices: string[] = [];
 afterAll(async () => {
-  // What a reboot of the fenced node would end: mount each fenced superblock again (the kernel hands
-  // back the frozen one), thaw it, and unmount it, so its loop device goes.
-  for (const dev of fencedDevices) {
-    const mp = await fs.mkdtemp('/tmp/loopvol-test-thaw-');
-    try {
-      execFileSync('mount', ['-t', 'ext4', dev, mp], { stdio: 'ignore' });
-      execFileSync('fsfreeze', ['--unfreeze', mp], { stdio: 'ignore' });
-    } catch {
-      // not frozen, or gone
-    } finally {
-      try {
-        execFileSync('umount', [mp], { stdio: 'ignore' });
-      } catch {
-        // was not mounted
-      }
-      await fs.rm(mp, { recursive: true, force: true });
-    }
-  }
+  await thawFenced(fencedDevices);
   expect(await env.teardown()).toEqual([]);
 });
 

@@ -15,7 +15,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
-import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
@@ -36,23 +36,8 @@ const shownBacking = (device: string): string => {
 
 afterAll(async () => {
   ssh?.resumeAll();
-  for (const dev of fenced) {
-    // The kernel hands back the frozen superblock to a new mount of its device: thaw it there.
-    const mp = await fs.mkdtemp('/tmp/loopvol-test-thaw-');
-    try {
-      execFileSync('mount', ['-t', 'ext4', dev, mp], { stdio: 'ignore' });
-      execFileSync('fsfreeze', ['--unfreeze', mp], { stdio: 'ignore' });
-    } catch {
-      // not frozen, or gone
-    } finally {
-      try {
-        execFileSync('umount', [mp], { stdio: 'ignore' });
-      } catch {
-        // was not mounted
-      }
-      await fs.rm(mp, { recursive: true, force: true });
-    }
-  }
+  // The kernel hands back the frozen superblock to a new mount of its device: thaw it there.
+  await thawFenced(fenced);
   const leaks = await env.teardown();
   for (const { device, shown } of oldDevices) {
     if (shown !== '' && shownBacking(device) === shown) {
