@@ -49,8 +49,9 @@ export async function probeDevice(x: Exec, device: string): Promise<DeviceConten
  *  - ext4: assume_storage_prezeroed (the image reads as zeros), so neither mkfs nor the kernel's
  *    lazy-init thread writes the inode tables, which would allocate ~2% of the image for nothing;
  *    no reserved blocks (-m 0): there is no root-owned daemon to reserve them for;
- *  - no force flags: if mkfs finds a signature blkid missed, it refuses, which is what we want; only
- *    `force` (the device holds what an unfinished mkfs of ours left, see format.ts) overrides that.
+ *  - no force flags: mkfs.xfs and mkfs.btrfs refuse a signature blkid missed (mkfs.ext4 asks only on
+ *    a terminal, and formats; blkid -p and the `initialized` marker are the guards); only `force` (an
+ *    XFS that a mkfs of ours left unfinished, see format.ts) overrides that.
  */
 function mkfsCommand(
   fsType: FsType,
@@ -150,6 +151,18 @@ async function readAt(device: string, offset: number, length: number): Promise<B
   } finally {
     await handle.close();
   }
+}
+
+/**
+ * Whether `device` holds a filesystem whose mkfs never finished, by its superblock's own word: mkfs.xfs
+ * marks it "in progress" (sb_inprogress) first and clears that last, and the kernel refuses to mount
+ * it, so it never held data. mkfs.ext4 and mkfs.btrfs write their superblock last: cut short, they
+ * leave none (blkid: blank). Read after the device's buffers were flushed, as blkid's probe is.
+ */
+export async function mkfsUnfinished(fsType: FsType, device: string): Promise<boolean> {
+  if (fsType !== 'xfs') return false;
+  const sb = await readAt(device, 0, 512);
+  return sb.length === 512 && sb.toString('latin1', 0, 4) === 'XFSB' && sb[126] !== 0;
 }
 
 /**

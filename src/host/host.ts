@@ -19,6 +19,7 @@ import {
   type FormatOptions,
   growExt4Offline,
   growOnline,
+  mkfsUnfinished,
   mountedFilesystemSize,
   probeDevice,
   type Usage,
@@ -106,6 +107,7 @@ export interface Host {
   check(x: Exec, fsType: FsType, device: string): Promise<void>;
   flush(x: Exec, device: string): Promise<void>;
   filesystemSize(fsType: FsType, device: string): Promise<number | undefined>;
+  mkfsUnfinished(fsType: FsType, device: string): Promise<boolean>;
   mountedFilesystemSize(
     x: Exec,
     fsType: FsType,
@@ -158,6 +160,7 @@ export const kernelHost: Host = {
   check: (x, fsType, device) => checkFilesystem(x, fsType, device),
   flush: flushDeviceBuffers,
   filesystemSize,
+  mkfsUnfinished,
   mountedFilesystemSize,
   growOffline: growExt4Offline,
   growOnline,

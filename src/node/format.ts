@@ -7,14 +7,17 @@
  * second guard); another filesystem or a partition table is refused untouched. The decision and the
  * mkfs run under the volume's format lock, held across hosts, so two nodes staging a fresh volume at
  * once never both format it: the second one finds the marker and the filesystem, and keeps it. Each
- * mkfs is preceded by a durable `formatting` record: a mkfs cut short (the driver killed, its
- * container replaced) can leave a signature blkid recognises, which is made again, never kept.
+ * mkfs is preceded by a durable `formatting` record: a mkfs.xfs cut short (the driver killed, its
+ * container replaced) leaves a superblock blkid recognises but marked "in progress", which no kernel
+ * mounts; found on a volume never marked initialized, with that record, it is made again (forced).
+ * Any filesystem not so marked is kept, whatever the records say.
  */
-import { conflict, unsafe } from '../errors.js';
+import { busy, conflict, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { failpoint } from '../failpoints.js';
 import type { DeviceContent, LoopDevice } from '../host/host.js';
 import { type Capability, type FsType, isFsType, isMultiNode, type VolumeMeta } from '../pool/types.js';
+import type { HeldLock } from '../pool/lock.js';
 import type { NodeDeps } from './on-host.js';
 
 export type FormatDecision =
@@ -94,8 +97,15 @@ export async function prepareFilesystem(
   return d.volumes.withFormatLock(vol.id, waitMs, async (lock) => {
     const initialized = await d.volumes.isInitialized(vol.id);
     const content = await probeUncached(d, x, loop, fresh, initialized);
+    // Proof that a filesystem found is a mkfs of ours cut short: its own superblock says it was never
+    // finished (so never mounted), and the volume's `formatting` record names its type.
     const unfinished =
-      !initialized && content.kind === 'filesystem' ? await d.volumes.formatting(vol.id) : undefined;
+      !initialized &&
+      content.kind === 'filesystem' &&
+      isFsType(content.type) &&
+      (await d.host.mkfsUnfinished(content.type, loop.path))
+        ? await d.volumes.formatting(vol.id)
+        : undefined;
     const decision = decideFormat(
       content,
       initialized,
@@ -122,7 +132,7 @@ export async function prepareFilesystem(
       x.log.warn({ volumeId: vol.id, fsType: decision.fsType }, 'formatting again over an unfinished mkfs');
     return {
       fsType: decision.fsType,
-      loop: await formatBlank(d, x, vol.id, loop, decision, attach, lock.signal),
+      loop: await formatBlank(d, x, vol.id, loop, decision, attach, lock),
       formatted: true,
     };
   });
@@ -189,7 +199,8 @@ async function probeUncached(
 
 /**
  * Formats a blank device (or one holding what an unfinished mkfs of ours left: `force`), attaching it
- * read-write for the purpose when it is staged read-only. `signal`: the format lock was lost.
+ * read-write for the purpose when it is staged read-only, under the volume's format `lock`: mkfs is
+ * stopped when it is lost, and nothing is marked or mounted after it was.
  */
 async function formatBlank(
   d: NodeDeps,
@@ -198,7 +209,7 @@ async function formatBlank(
   loop: LoopDevice,
   { fsType, force = false }: { fsType: FsType; force?: boolean },
   attach: (readOnly: boolean) => Promise<LoopDevice>,
-  signal: AbortSignal,
+  lock: HeldLock,
 ): Promise<LoopDevice> {
   let target = loop;
   if (loop.readOnly) {
@@ -206,7 +217,7 @@ async function formatBlank(
     target = await attach(false);
   }
   try {
-    await d.host.format(x, fsType, target.path, { force, signal });
+    await d.host.format(x, fsType, target.path, { force, signal: lock.signal });
   } catch (err) {
     if (err instanceof CommandError && /contains|existing|appears to/i.test(err.stderr)) {
       throw unsafe(
@@ -218,11 +229,13 @@ async function formatBlank(
   }
   failpoint('stage:formatted');
   const sectorSize = await d.host.sectorSize(target);
+  lock.assertHeld(); // lost during mkfs: another node may be formatting the volume now
   if (!(await d.volumes.markInitialized(id, `node ${d.nodeId} (mkfs.${fsType})`, sectorSize))) {
     x.log.error(
       { volumeId: id },
       'the volume was marked initialized by someone who did not hold its format lock',
     );
+    throw busy(`Volume ${id} was marked initialized by another node while this one formatted it; retry.`);
   }
   x.log.info({ device: target.path, fsType }, 'formatted a blank volume');
   if (loop.readOnly) {

@@ -377,6 +377,14 @@ export class FakeHost implements Host {
     this.cached.delete(device);
   }
 
+  /** Images whose filesystem a mkfs left unfinished (an XFS superblock still "in progress"). */
+  readonly unfinished = new Set<string>();
+
+  mkfsUnfinished(fsType: FsType, device: string): Promise<boolean> {
+    const loop = this.attached.get(path.basename(device));
+    return Promise.resolve(fsType === 'xfs' && loop !== undefined && this.unfinished.has(loop.image));
+  }
+
   async filesystemSize(fsType: FsType, device: string): Promise<number | undefined> {
     await this.act(`superblock ${device}`, '', false);
     const c = this.contentOf(this.mustLoop(device).image);

@@ -482,6 +482,28 @@ describe.skipIf(!isRoot())('restarts and crashes', () => {
     expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
   });
 
+  it('a used XFS whose initialized marker went missing is kept, whatever its formatting record says', async () => {
+    const base = await dir('markerlost');
+    const a = await driver({ dir: base });
+    const v = await makeVolume(a, base, 'pvc-markerlost', mountCap('xfs'), 300 * MiB);
+    await v.stage();
+    await v.publish();
+    await fs.writeFile(path.join(v.target(), 'precious'), 'data');
+    await v.unpublish();
+    await v.unstage();
+    // An operator moved it, or a network filesystem's client briefly does not see it.
+    const marker = path.join(a.poolDir, 'volumes', v.id, 'initialized');
+    await fs.stat(path.join(a.poolDir, 'volumes', v.id, 'formatting'));
+    await fs.rename(marker, `${marker}.aside`);
+    await v.stage();
+    await v.publish();
+    expect(await fs.readFile(path.join(v.target(), 'precious'), 'utf8')).toBe('data');
+    expect(a.logs().some((l) => l.includes('formatting again over an unfinished mkfs'))).toBe(false);
+    await v.unpublish();
+    await v.unstage();
+    expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+  });
+
   it('a mkfs does not outlive a driver killed by SIGKILL, and the retry formats the volume', async () => {
     const base = await dir('mkfsorphan');
     // mkfs.btrfs writes through a descriptor that does not keep others out: left running, it would

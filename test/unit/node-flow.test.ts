@@ -372,6 +372,62 @@ describe("what this host's page cache remembers of a device never decides", () =
   });
 });
 
+describe('a mkfs cut short', () => {
+  const xfs = { kind: 'filesystem', type: 'xfs', size: SIZE } as const;
+
+  it("is made again (forced) only when its superblock says unfinished and the volume's record says it began", async () => {
+    for (const [unfinished, began, remade] of [
+      [true, true, true],
+      [true, false, false], // no record of ours: not our mkfs (a mount fails; nothing is formatted)
+      [false, true, false], // a finished XFS (it may hold data, whatever became of the marker): kept
+    ] as const) {
+      const w = await world();
+      const { id, image } = await newVolume(w, { fsType: 'xfs' });
+      w.host.content.set(image, xfs);
+      if (unfinished) w.host.unfinished.add(image);
+      if (began) await w.volumes.markFormatting(id, 'node a', 'xfs');
+      await stage(w, id, { fsType: 'xfs' });
+      expect({ unfinished, began, formats: formats(w) }).toEqual({
+        unfinished,
+        began,
+        formats: remade ? ['format xfs /dev/loop0'] : [],
+      });
+      expect(await w.volumes.isInitialized(id)).toBe(true);
+    }
+  });
+
+  it('is not marked or mounted when the marker appeared while it ran (another node took the lock over)', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const format = w.host.format.bind(w.host);
+    w.host.format = async (...args) => {
+      await format(...args);
+      await w.volumes.markInitialized(id, 'node b (mkfs.ext4)');
+    };
+    expect(await codeOf(stage(w, id))).toBe('ABORTED');
+    expect(w.host.mountsAt(STAGING)).toEqual([]);
+    // The retry keeps what is there now, marked by the other node.
+    w.host.format = format;
+    await stage(w, id);
+    expect(formats(w)).toEqual(['format ext4 /dev/loop0']);
+    expect(w.host.mountsAt(STAGING)).toMatchObject([{ source: '/dev/loop0', fsType: 'ext4' }]);
+  });
+  it('is not marked or mounted when the format lock was lost while it ran', async () => {
+    const w = await world({ lock: { heartbeatMs: 20 } });
+    const { id } = await newVolume(w);
+    const format = w.host.format.bind(w.host);
+    w.host.format = async (...args) => {
+      await format(...args);
+      // Another process takes the format lock over (this one was cut off from the pool for a lease).
+      await fs.writeFile(path.join(w.pool.layout.locksDir, `${id}.format.lock`), '{}');
+      await pause(150);
+    };
+    expect(await codeOf(stage(w, id))).toBe('ABORTED');
+    expect(w.host.mountsAt(STAGING)).toEqual([]);
+    expect(await w.volumes.isInitialized(id)).toBe(false);
+  });
+});
+
 describe('what a device holds decides whether it is formatted', () => {
   it.each<[string, ImageContent, boolean, Partial<Capability>]>([
     ['another filesystem than asked for', { kind: 'filesystem', type: 'xfs', size: SIZE }, false, {}],
