@@ -30,6 +30,7 @@ import {
   heldReadOnly,
   isDeviceBind,
   isSymlinkPath,
+  leaseView,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -89,10 +90,18 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     throw invalid(
       `staging_target_path ${r.staging} is a symbolic link; the driver stages on a path it creates.`,
     );
-  const [readOnly, on] = await Promise.all([
+  const [readOnly, seen] = await Promise.all([
     heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly),
     lookAtHost(d, x, r.id),
   ]);
+  // The device this node's lease records stays the volume's after the pool was mounted again here (see
+  // leaseView); one that may be it never gets a second device of the image beside it.
+  const { on, doubtful } = await leaseView(d, seen);
+  if (doubtful.length > 0) {
+    throw conflict(
+      `Volume ${r.id} may still be attached here as ${doubtful.map((l) => l.path).join(', ')}, which this node's lease names (the pool's filesystem was mounted again); unstage it, or detach that device by hand, before staging it again.`,
+    );
+  }
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);

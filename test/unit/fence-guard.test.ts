@@ -18,6 +18,7 @@ import {
   attachTo,
   cap,
   codeOf,
+  during,
   log,
   newVolume,
   noCommands,
@@ -349,6 +350,24 @@ describe('a lease left by a node on another host', () => {
     expect(await codeOf(unpublish(w, id))).toBe('FAILED_PRECONDITION');
     expect(await codeOf(unstage(w, id))).toBe('FAILED_PRECONDITION');
     expect(w.host.ops.slice(from)).toEqual([]);
+  });
+
+  it('stages again on the device its lease records after the pool was mounted again, never on a second one', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id);
+    remounted(w);
+    // A filesystem: the staging mount shows which device it is, and the repeat is answered as done.
+    expect(await during(w, () => stage(w, id))).toEqual({ code: 'OK', ops: [] });
+    const b = await world();
+    const raw = await newVolume(b);
+    await stage(b, raw.id, block);
+    remounted(b);
+    // A raw block device is at no staging mount: it may be the volume, so nothing is attached beside it.
+    expect(await during(b, () => stage(b, raw.id, block))).toEqual({ code: 'FAILED_PRECONDITION', ops: [] });
+    expect([...b.host.attached.keys()]).toEqual(['loop0']);
+    expect(await b.volumes.lease(raw.id, NODE)).toMatchObject({ device: 'loop0' });
   });
 
   it("lets a device at its staging path go as another's only when its identity and path both say so", async () => {
