@@ -162,8 +162,10 @@ export async function leaseView(
   for (const l of unknown) {
     const mounted = atStaging.some((m) => loopOfMount(m, [l]));
     if (!mounted && l.name !== mine.device) continue;
-    if (pathNames(l, on.id) && mounted && (mine.device === undefined || l.name === mine.device))
-      staged.push(l);
+    // Its image in volumes/ (not one in the trash or quarantine, which no staging should use).
+    const image =
+      pathNames(l, on.id) && path.basename(path.dirname(path.dirname(l.backingFile))) === 'volumes';
+    if (image && mounted && (mine.device === undefined || l.name === mine.device)) staged.push(l);
     else doubtful.push(l);
   }
   return { on: staged.length > 0 ? { ...on, loops: [...on.loops, ...staged] } : on, doubtful };
