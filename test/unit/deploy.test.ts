@@ -14,6 +14,7 @@ import { promisify } from 'node:util';
 import { parseAllDocuments } from 'yaml';
 import { beforeAll, describe, expect, it } from 'vitest';
 import { NODE_TOOLS, CONTROLLER_TOOLS } from '../../src/health.js';
+import { CLEANUP_MS } from '../../src/exec/runner.js';
 import { REPO, runMain } from '../helpers/driver.js';
 
 type Obj = Record<string, unknown> & {
@@ -493,7 +494,7 @@ describe.each(VARIANTS)('the %s variant', (v) => {
     expect(mounts).toBe(workloads(variant(v)).length);
   });
 
-  it('gives every pod running loopvol longer to stop than loopvol drains its calls', () => {
+  it('gives every pod running loopvol longer to stop than loopvol drains its calls and undoes the cancelled ones', () => {
     const byDefault = /--shutdown-timeout \S+ .*\(default (\d+)\)/.exec(help)?.[1];
     expect(byDefault, '--help documents the --shutdown-timeout default').toBeDefined();
     for (const { d, spec } of workloads(variant(v))) {
@@ -501,9 +502,11 @@ describe.each(VARIANTS)('the %s variant', (v) => {
       const shutdown = Number(argValue(driver, '--shutdown-timeout') ?? byDefault);
       // Kubernetes' default grace period is 30 s.
       const grace = spec.terminationGracePeriodSeconds ?? 30;
-      expect(grace, `${d.metadata.name}: terminationGracePeriodSeconds > --shutdown-timeout`).toBeGreaterThan(
-        shutdown,
-      );
+      // Then the calls cancelled at the timeout undo their work, for up to CLEANUP_MS.
+      expect(
+        grace,
+        `${d.metadata.name}: terminationGracePeriodSeconds > --shutdown-timeout + the rollbacks' time`,
+      ).toBeGreaterThan(shutdown + CLEANUP_MS / 1000);
     }
   });
 
