@@ -43,7 +43,12 @@ export interface MappedStatus {
   unexpected: boolean;
 }
 
-/** What a file operation answers when a network filesystem (the pool's) cannot be reached. */
+const errPath = (err: unknown): string => {
+  const p = (err as { path?: unknown }).path;
+  return typeof p === 'string' ? ` at ${p}` : '';
+};
+
+/** What a file operation answers when a network filesystem (the pool's, or a FUSE one) cannot be reached. */
 const UNREACHABLE = new Set(['ENOTCONN', 'ESTALE', 'EHOSTDOWN', 'EHOSTUNREACH', 'ENETUNREACH', 'ETIMEDOUT']);
 
 export function toStatus(err: unknown): MappedStatus {
@@ -87,7 +92,7 @@ export function toStatus(err: unknown): MappedStatus {
   if (errno !== undefined && UNREACHABLE.has(errno)) {
     return {
       code: Code.UNAVAILABLE,
-      message: `The pool's filesystem does not answer (${errno}); retry once it is back.`,
+      message: `A filesystem the driver uses (the pool's, or one at a path it was given) does not answer (${errno}${errPath(err)}); retry once it is back.`,
       unexpected: true,
     };
   }

@@ -28,9 +28,12 @@ describe('toStatus', () => {
 
   it('maps a pool filesystem that does not answer (a FUSE or NFS client cut off) to UNAVAILABLE', () => {
     for (const code of ['ENOTCONN', 'ESTALE', 'EHOSTDOWN', 'EHOSTUNREACH', 'ENETUNREACH', 'ETIMEDOUT']) {
-      const err = Object.assign(new Error(`${code}: lstat '/pool/volumes/x/disk.img'`), { code });
+      const err = Object.assign(new Error(`${code}: lstat '/pool/volumes/x/disk.img'`), {
+        code,
+        path: '/pool/volumes/x/disk.img',
+      });
       expect(toStatus(err)).toMatchObject({ code: status.UNAVAILABLE, unexpected: true });
-      expect(toStatus(err).message).toContain(code);
+      expect(toStatus(err).message).toContain(`(${code} at /pool/volumes/x/disk.img)`);
     }
     const other = Object.assign(new Error('EACCES: permission denied'), { code: 'EACCES' });
     expect(toStatus(other).code).toBe(status.INTERNAL);
