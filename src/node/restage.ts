@@ -5,8 +5,10 @@
  * lease for what the mount table cannot show (raw block access, the mount flags asked for).
  */
 import { conflict, mismatch } from '../errors.js';
+import type { Exec } from '../exec/runner.js';
 import { isReadOnlyMount } from '../host/mounts.js';
 import type { Capability, Lease } from '../pool/types.js';
+import { growMounted } from './grow.js';
 import { type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
 
 /** The same mount flags, in any order, `ro` and `rw` aside (the access mode and the mount decide those). */
@@ -21,6 +23,7 @@ function sameFlags(a: readonly string[], b: readonly string[]): boolean {
  */
 export async function alreadyStaged(
   d: NodeDeps,
+  x: Exec,
   on: OnHost,
   r: { id: string; cap: Capability },
   staging: string,
@@ -59,6 +62,11 @@ export async function alreadyStaged(
         bootId: d.bootId,
         ...(recorded === undefined ? {} : { mountFlags: recorded }),
       });
+      // xfs and btrfs grow once mounted: a stage killed between its mount and that growth left the
+      // filesystem smaller than its device (a restore or clone into a larger volume), which the repeat
+      // grows before answering OK.
+      if (!isReadOnlyMount(top) && (top.fsType === 'xfs' || top.fsType === 'btrfs'))
+        await growMounted(d, x, top.fsType, loop, staging);
       return true;
     }
   }

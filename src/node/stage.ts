@@ -105,7 +105,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
-  if (await alreadyStaged(d, on, r, staging, readOnly, ownLease)) return;
+  if (await alreadyStaged(d, x, on, r, staging, readOnly, ownLease)) return;
   checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });
   // Nothing is mounted at the staging path here (alreadyStaged saw to it).
   if (r.cap.accessType === 'mount') await refuseHidingFiles(d, staging, 'staging_target_path');

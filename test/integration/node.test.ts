@@ -482,6 +482,33 @@ describe.skipIf(!isRoot())('restarts and crashes', () => {
     expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
   });
 
+  it.each(['xfs', 'btrfs'] as const)(
+    'a %s stage killed between its mount and its growth is grown by the retry',
+    async (fsType) => {
+      const base = await dir(`growcut-${fsType}`);
+      const a = await driver({ dir: base });
+      const v = await makeVolume(a, base, `pvc-growcut-${fsType}`, mountCap(fsType), 300 * MiB);
+      await v.stage();
+      await v.unstage();
+      await a.clients.controller.ControllerExpandVolume({
+        volume_id: v.id,
+        capacity_range: { required_bytes: String(600 * MiB) },
+        volume_capability: v.cap,
+      });
+      await a.stop();
+      // xfs and btrfs grow once mounted: this stage dies right after its mount.
+      const b = await driver({ dir: base, env: { LOOPVOL_FAILPOINT: 'stage:mounted' } });
+      expect(await codeOf(new Vol(b, v.id, v.cap, base).stage())).not.toBe('OK');
+      const c = await driver({ dir: base });
+      const w = new Vol(c, v.id, v.cap, base);
+      await w.stage();
+      const st = await fs.statfs(w.staging);
+      expect(st.blocks * st.bsize).toBeGreaterThan(500 * MiB);
+      await w.unstage();
+      expect(await leaksUnder(base)).toEqual({ loops: [], mounts: [] });
+    },
+  );
+
   it('a used XFS whose initialized marker went missing is kept, whatever its formatting record says', async () => {
     const base = await dir('markerlost');
     const a = await driver({ dir: base });
