@@ -32,10 +32,14 @@ export const POOL_ID_KEY = 'loopvol.csi.io/pool-id';
 /** The publish context key that says whether ControllerPublishVolume published the volume read-only. */
 export const PUBLISH_READONLY_KEY = 'loopvol.csi.io/readonly';
 
-/** Whether the publish context says the volume was published to this node read-only. */
-function publishedReadOnly(context: Record<string, string>): boolean {
+/**
+ * Whether the publish context says the volume was published to this node read-only; undefined when it
+ * does not say (a CO that passes no context: the pool's attachment record is read instead).
+ */
+function publishedReadOnly(context: Record<string, string>): boolean | undefined {
   const value = context[PUBLISH_READONLY_KEY];
-  if (value === undefined || value === 'false') return false;
+  if (value === undefined) return undefined;
+  if (value === 'false') return false;
   if (value === 'true') return true;
   throw invalidArgument(`publish_context ${PUBLISH_READONLY_KEY} must be "true" or "false", not "${value}".`);
 }

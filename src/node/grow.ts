@@ -20,18 +20,22 @@ import {
   type NodeDeps,
 } from './on-host.js';
 
-/** Grows a mounted xfs/btrfs (or ext4 where allowed) filesystem to its device and checks that it did. */
+/**
+ * Grows a mounted xfs/btrfs (or ext4 where allowed) filesystem to its device and checks that it did.
+ * `unlessUnknown`: leave it when its size cannot be read (a repeat stage of a staging in use).
+ */
 export async function growMounted(
   d: NodeDeps,
   x: Exec,
   fsType: FsType,
   loop: LoopDevice,
   mountPoint: string,
+  { unlessUnknown = false }: { unlessUnknown?: boolean } = {},
 ): Promise<void> {
   const fills = (n: number | undefined): boolean =>
     n !== undefined && n >= loop.sizeBytes - growthSlack(loop.sizeBytes);
   const was = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
-  if (was !== undefined && !mustGrow(was, loop.sizeBytes)) return;
+  if (was === undefined ? unlessUnknown : !mustGrow(was, loop.sizeBytes)) return;
   const before = (await d.host.usage(mountPoint)).totalBytes;
   await d.host.growOnline(x, fsType, loop.path, mountPoint);
   const size = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);

@@ -211,18 +211,19 @@ export function stagingLoop(
 }
 
 /**
- * Whether this node holds the volume read-only (a read-only loop device, a read-only mount): its access
- * mode is a reader's, or the controller published it to this node read-only (ControllerPublishVolume
- * `readonly`). The publish context the CO passes says the latter, and so does the pool's attachment
- * record, which the node reads for its fence anyway: either one is enough.
+ * Whether pods on this node get the volume read-only: its access mode is a reader's, or the controller
+ * published it to this node read-only (ControllerPublishVolume `readonly`). The publish context says
+ * the latter (the controller wrote it from the same record); without one, the pool's attachment
+ * record is read.
  */
 export async function heldReadOnly(
   d: NodeDeps,
   id: string,
   mode: AccessMode,
-  publishedReadOnly: boolean,
+  publishedReadOnly: boolean | undefined,
 ): Promise<boolean> {
-  if (isReaderOnly(mode) || publishedReadOnly) return true;
+  if (isReaderOnly(mode)) return true;
+  if (publishedReadOnly !== undefined) return publishedReadOnly;
   return (await d.volumes.attachments(id)).some((a) => a.node === d.nodeId && a.readonly);
 }
 

@@ -20,6 +20,7 @@ import {
   checkTargetPlace,
   classifyAt,
   foreignMountError,
+  heldReadOnly,
   isDeviceBind,
   isSymlinkPath,
   leaseView,
@@ -75,8 +76,8 @@ export interface PublishRequest {
   target: string;
   cap: Capability;
   readonly: boolean;
-  /** The controller published the volume to this node read-only, as the publish context says. */
-  publishedReadOnly: boolean;
+  /** The controller published the volume to this node read-only, as the publish context says (if it does). */
+  publishedReadOnly: boolean | undefined;
 }
 
 type Undo = (x: Exec) => Promise<unknown>;
@@ -87,7 +88,14 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   const target = await callerPath(d, r.target, 'target_path');
   if (await isSymlinkPath(d, r.target))
     throw invalid(`target_path ${r.target} is a symbolic link; the driver publishes on a path it creates.`);
-  const on = await lookAtHost(d, x, r.id);
+  // After the pool was mounted again here, the staging's device is known by this node's lease (see
+  // leaseView); one that may be the volume is never published beside.
+  const { on, doubtful } = await leaseView(d, await lookAtHost(d, x, r.id));
+  if (doubtful.length > 0) {
+    throw conflict(
+      `Volume ${r.id} may be attached here as ${doubtful.map((l) => l.path).join(', ')}, which this node's lease names but cannot be told apart from another file; it was not published.`,
+    );
+  }
   const lease = await d.volumes.lease(r.id, d.nodeId);
   const staged = stagingLoop(on.loops, lease, on.mounts);
   if (!lease || lease.stagingPath !== staging || !staged) {
@@ -96,18 +104,20 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   if (lease.accessType !== r.cap.accessType) {
     throw conflict(`Volume ${r.id} is staged for ${lease.accessType} access, not ${r.cap.accessType}.`);
   }
-  if (r.publishedReadOnly && !staged.readOnly) {
-    // NodeStageVolume stages such a volume on a read-only device; this staging predates the publish.
+  const isBlock = r.cap.accessType === 'block';
+  const published = await heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly);
+  if (published && isBlock && !staged.readOnly) {
+    // NodeStageVolume stages such a device read-only; this staging predates the read-only publish.
     throw conflict(
-      `Volume ${r.id} was published to this node read-only, but is staged at ${staging} read-write; unstage it and stage it again.`,
+      `Volume ${r.id} was published to this node read-only, but its device is staged at ${staging} read-write; unstage it and stage it again.`,
     );
   }
-  const isBlock = r.cap.accessType === 'block';
   const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
-  // A volume staged on a read-only device (a reader's access mode, or published read-only) is
-  // published read-only whatever this call's own readonly says.
+  // Published read-only (or staged on a read-only device): the pod's bind is read-only whatever this
+  // call's own readonly says.
   const readOnly =
     r.readonly ||
+    published ||
     staged.readOnly ||
     isReaderOnly(r.cap.mode) ||
     r.cap.mountFlags.includes('ro') ||

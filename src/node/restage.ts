@@ -66,7 +66,7 @@ export async function alreadyStaged(
       // filesystem smaller than its device (a restore or clone into a larger volume), which the repeat
       // grows before answering OK.
       if (!isReadOnlyMount(top) && (top.fsType === 'xfs' || top.fsType === 'btrfs'))
-        await growMounted(d, x, top.fsType, loop, staging);
+        await growMounted(d, x, top.fsType, loop, staging, { unlessUnknown: true });
       return true;
     }
   }

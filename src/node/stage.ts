@@ -15,7 +15,7 @@ import { checkpoint, detached, type Exec } from '../exec/runner.js';
 import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
 import { mountErrorLine } from '../host/mounts.js';
-import type { Capability, FsType, Lease } from '../pool/types.js';
+import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
@@ -49,7 +49,7 @@ export interface StageRequest {
   /** The id of the volume's pool (volume or publish context), when it said. */
   poolId: string | undefined;
   /** The controller published the volume to this node read-only, as the publish context says. */
-  publishedReadOnly: boolean;
+  publishedReadOnly: boolean | undefined;
 }
 
 /** Mount options for a staged filesystem. XFS always gets nouuid, so a clone mounts beside its source. */
@@ -90,8 +90,14 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     throw invalid(
       `staging_target_path ${r.staging} is a symbolic link; the driver stages on a path it creates.`,
     );
+  // A filesystem published read-only (ControllerPublishVolume readonly) is staged as its access mode
+  // says, its journal replayed and checked on a writable device (a read-only one would hide what the
+  // journal holds), and its pods get read-only binds (publish.ts). A raw block device is itself
+  // read-only: a read-only bind of a writable device node still writes.
   const [readOnly, seen] = await Promise.all([
-    heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly),
+    r.cap.accessType === 'block'
+      ? heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly)
+      : Promise.resolve(isReaderOnly(r.cap.mode)),
     lookAtHost(d, x, r.id),
   ]);
   // The device this node's lease records stays the volume's after the pool was mounted again here (see

@@ -167,7 +167,7 @@ export const stage = (w: World, id: string, over: Partial<Capability> = {}) =>
     cap: cap(over),
     publishPool: undefined,
     poolId: undefined,
-    publishedReadOnly: false,
+    publishedReadOnly: undefined,
   });
 export const unstage = (w: World, id: string) => unstageVolume(w.d, w.x, { id, staging: STAGING });
 export const publish = (
@@ -183,7 +183,7 @@ export const publish = (
     target,
     cap: cap(over),
     readonly,
-    publishedReadOnly: false,
+    publishedReadOnly: undefined,
   });
 export const unpublish = (w: World, id: string, target = TARGET) => unpublishVolume(w.d, w.x, { id, target });
 

@@ -1,9 +1,11 @@
 /**
  * ControllerPublishVolume's `readonly` on the node, with real loop devices and mounts (root only): a
- * volume published read-only to a node is staged on a read-only loop device, mounted read-only, and
- * published read-only whatever NodePublishVolume's own `readonly` says, so a pod's writes fail; the
- * node knows it from the publish context and from the pool's attachment record. A staging that does not
- * match how the volume is published gets the spec's answer, never a silent mismatch.
+ * volume published read-only to a node is published to its pods read-only whatever NodePublishVolume's
+ * own `readonly` says, so a pod's writes fail. A filesystem is staged as its access mode says (its
+ * journal replayed on a writable device: a read-only one would hide what the journal holds); a raw
+ * block volume is staged on a read-only loop device (a read-only bind of a device node still writes).
+ * The node knows it from the publish context, or from the pool's attachment record without one. A
+ * staging that does not match how the volume is published gets the spec's answer.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -105,16 +107,24 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
   }
 
   it.each(['ext4', 'xfs'])(
-    'stages a never-formatted %s volume read-only and a pod cannot write it',
+    'publishes a %s volume read-only to its pods, with what a writer wrote before',
     async (fsType) => {
       const v = await volume(`pvc-pub-ro-${fsType}`, mountCap(fsType), 320 * MiB);
+      // A writer first: what it wrote shows through the read-only publication.
+      const rw = await v.controllerPublish(false);
+      await v.stage(rw);
+      await v.publish(1, rw);
+      await fs.writeFile(path.join(v.target(1), 'written-before'), 'data');
+      await v.unpublish(1);
+      await v.unstage();
+      await v.controllerUnpublish();
+
       const ctx = await v.controllerPublish(true);
       expect(ctx['loopvol.csi.io/readonly']).toBe('true');
-      await v.stage(ctx); // formats through a read-write attachment, then attaches read-only
-      expect(await v.deviceReadOnly()).toBe(true);
+      await v.stage(ctx);
       await v.publish(1, ctx, false); // the pod's own readonly is false: the controller's decides
       expect(await v.write(1)).toBe('EROFS');
-      await expect(fs.writeFile(path.join(v.staging, 'x'), 'x')).rejects.toThrow(/EROFS/);
+      expect(await fs.readFile(path.join(v.target(1), 'written-before'), 'utf8')).toBe('data');
       // Repeats are idempotent, also without the publish context: the pool's attachment record says it.
       expect(await codeOf(v.stage(ctx))).toBe('OK');
       expect(await codeOf(v.stage({}))).toBe('OK');
@@ -143,37 +153,45 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
     await v.controllerUnpublish();
   });
 
-  it.each([
-    ['mount', mountCap('ext4')],
-    ['block', blockCap()],
-  ] as const)(
-    'answers a %s staging that does not match how the volume is published by the spec',
-    async (kind, cap) => {
-      const v = await volume(`pvc-pub-ro-mismatch-${kind}`, cap, 32 * MiB);
-      const rw = await v.controllerPublish(false);
-      expect(rw['loopvol.csi.io/readonly']).toBe('false');
-      await v.stage(rw);
-      expect(await v.deviceReadOnly()).toBe(false);
-      const ro = { ...rw, 'loopvol.csi.io/readonly': 'true' };
-      // Staged read-write at this path; read-only asked: "volume published but is incompatible".
-      expect(await codeOf(v.stage(ro))).toBe('ALREADY_EXISTS');
-      // A publish of a read-only publication on a read-write staging: the staging must change first.
-      expect(await codeOf(v.publish(1, ro))).toBe('FAILED_PRECONDITION');
-      expect(await codeOf(v.publish(1, { ...rw, 'loopvol.csi.io/readonly': 'maybe' }))).toBe(
-        'INVALID_ARGUMENT',
-      );
-      await v.publish(1, rw);
-      expect(await v.write(1)).toBe('written');
-      await v.unpublish(1);
-      await v.unstage();
+  it('answers a block staging that does not match how the volume is published by the spec', async () => {
+    const v = await volume('pvc-pub-ro-mismatch-block', blockCap(), 32 * MiB);
+    const rw = await v.controllerPublish(false);
+    expect(rw['loopvol.csi.io/readonly']).toBe('false');
+    await v.stage(rw);
+    expect(await v.deviceReadOnly()).toBe(false);
+    const ro = { ...rw, 'loopvol.csi.io/readonly': 'true' };
+    // Staged read-write at this path; read-only asked: "volume published but is incompatible".
+    expect(await codeOf(v.stage(ro))).toBe('ALREADY_EXISTS');
+    // A publish of a read-only publication on a read-write device: the staging must change first.
+    expect(await codeOf(v.publish(1, ro))).toBe('FAILED_PRECONDITION');
+    expect(await codeOf(v.publish(1, { ...rw, 'loopvol.csi.io/readonly': 'maybe' }))).toBe(
+      'INVALID_ARGUMENT',
+    );
+    await v.publish(1, rw);
+    expect(await v.write(1)).toBe('written');
+    await v.unpublish(1);
+    await v.unstage();
 
-      // The reverse: staged read-only (as a read-only publish context says), then asked read-write.
-      await v.stage(ro);
-      expect(await v.deviceReadOnly()).toBe(true);
-      expect(await codeOf(v.stage(rw))).toBe('ALREADY_EXISTS');
-      await v.unstage();
-      expect(await v.loops()).toEqual([]);
-      await v.controllerUnpublish();
-    },
-  );
+    // The reverse: staged read-only (as a read-only publish context says), then asked read-write.
+    await v.stage(ro);
+    expect(await v.deviceReadOnly()).toBe(true);
+    expect(await codeOf(v.stage(rw))).toBe('ALREADY_EXISTS');
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+    await v.controllerUnpublish();
+  });
+
+  it('publishes read-only from a filesystem staging made before the read-only publication', async () => {
+    const v = await volume('pvc-pub-ro-later', mountCap('ext4'), 32 * MiB);
+    const rw = await v.controllerPublish(false);
+    await v.stage(rw);
+    const ro = { ...rw, 'loopvol.csi.io/readonly': 'true' };
+    expect(await codeOf(v.stage(ro))).toBe('OK'); // the staging is the same either way
+    await v.publish(1, ro);
+    expect(await v.write(1)).toBe('EROFS');
+    await v.unpublish(1);
+    await v.unstage();
+    expect(await v.loops()).toEqual([]);
+    await v.controllerUnpublish();
+  });
 });
