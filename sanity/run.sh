@@ -106,6 +106,17 @@ if [ $? -ne 0 ]; then
   fi
 fi
 
+# csi-sanity's own connect (utils.Connect in csi-test) reads the connection's state once, then waits for
+# it to change: a connection that became ready before that first look is never seen, and the spec's
+# [BeforeEach] fails after a minute with "Connection timed out" while the driver sits idle (seen on a
+# loaded machine). A run whose every failure is exactly that is run once more, and says so.
+only_connect_race() {
+  local log=$1 failed setup
+  failed=$(grep -oE 'Summarizing [0-9]+ Failures?' "$log" | grep -oE '[0-9]+' || true)
+  setup=$(grep -cE 'In \[BeforeEach\] at: .*/pkg/sanity/sanity\.go:' "$log" || true)
+  [ -n "$failed" ] && [ "$failed" -gt 0 ] && [ "$setup" -eq "$failed" ] && grep -q 'Connection timed out' "$log"
+}
+
 status=${status:-0}
 for mode in "${modes[@]}"; do
   echo "=== csi-sanity, $mode volumes"
@@ -126,8 +137,14 @@ for mode in "${modes[@]}"; do
   )
   [ -n "${SANITY_FOCUS:-}" ] && args+=(--ginkgo.focus="$SANITY_FOCUS")
   [ -n "$skip" ] && args+=(--ginkgo.skip="$skip")
-  "$sanity" "${args[@]}" 2>&1 | tee "$out/sanity-$mode.log" | grep -E '^(Ran |FAIL|SUCCESS|PASS|\[FAIL\]|  \[FAIL\])|Passed|Failed|Skipped|Pending' 
-  rc=${PIPESTATUS[0]}
+  for attempt in 1 2; do
+    "$sanity" "${args[@]}" 2>&1 | tee "$out/sanity-$mode.log" | grep -E '^(Ran |FAIL|SUCCESS|PASS|\[FAIL\]|  \[FAIL\])|Passed|Failed|Skipped|Pending'
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && [ "$attempt" -eq 1 ] && only_connect_race "$out/sanity-$mode.log" || break
+    mv "$out/sanity-$mode.log" "$out/sanity-$mode.connect-race.log"
+    echo "(csi-sanity's connect missed a ready connection, its own race: see run.sh)"
+    echo "=== csi-sanity, $mode volumes, once more"
+  done
   [ "$rc" -ne 0 ] && status=1
 done
 
