@@ -12,6 +12,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
+import { publish, stage } from '../helpers/volumes.js';
 import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
@@ -80,19 +81,8 @@ async function setup(tag: string) {
   });
   const up = async (d: DriverProcess, n: string) => {
     const p = paths(n);
-    await fs.mkdir(p.staging, { recursive: true });
-    await fs.mkdir(path.dirname(p.target), { recursive: true });
-    await d.clients.node.NodeStageVolume({
-      volume_id: id,
-      staging_target_path: p.staging,
-      volume_capability: cap,
-    });
-    await d.clients.node.NodePublishVolume({
-      volume_id: id,
-      staging_target_path: p.staging,
-      target_path: p.target,
-      volume_capability: cap,
-    });
+    await stage(d, id, p.staging, cap);
+    await publish(d, id, p.staging, p.target, cap);
   };
   const publishTo = (node: string) =>
     ctl.clients.controller.ControllerPublishVolume({ volume_id: id, node_id: node, volume_capability: cap });

@@ -15,6 +15,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
+import { publish, stage } from '../helpers/volumes.js';
 import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
@@ -131,19 +132,8 @@ describe.skipIf(skip)('a shared pool mounted again on a node that has a volume s
     });
     const up = async (d: DriverProcess, n: string) => {
       const p = on(n);
-      await fs.mkdir(p.staging, { recursive: true });
-      await fs.mkdir(path.dirname(p.target), { recursive: true });
-      await d.clients.node.NodeStageVolume({
-        volume_id: id,
-        staging_target_path: p.staging,
-        volume_capability: cap,
-      });
-      await d.clients.node.NodePublishVolume({
-        volume_id: id,
-        staging_target_path: p.staging,
-        target_path: p.target,
-        volume_capability: cap,
-      });
+      await stage(d, id, p.staging, cap);
+      await publish(d, id, p.staging, p.target, cap);
     };
     const down = async (d: DriverProcess, n: string) => {
       await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: on(n).target });
