@@ -113,6 +113,23 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     );
   }
   const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+  // Published read-only now, while another pod still has a read-write bind of this staging (the
+  // volume was published read-write before): that publication must end first.
+  const writable =
+    published && stagedMount
+      ? on.mounts.find(
+          (m) =>
+            m.mountPoint !== staging &&
+            m.mountPoint !== target &&
+            m.source === stagedMount.source &&
+            !isReadOnlyMount(m),
+        )
+      : undefined;
+  if (writable) {
+    throw conflict(
+      `Volume ${r.id} is published read-only to this node, but ${writable.mountPoint} still has it read-write; unpublish it there first.`,
+    );
+  }
   // Published read-only (or staged on a read-only device): the pod's bind is read-only whatever this
   // call's own readonly says.
   const readOnly =

@@ -27,7 +27,7 @@ export async function alreadyStaged(
   on: OnHost,
   r: { id: string; cap: Capability },
   staging: string,
-  readOnly: boolean,
+  { readOnly, published }: { readOnly: boolean; published: boolean },
   ownLease: Lease | undefined,
 ): Promise<boolean> {
   const { cap } = r;
@@ -44,6 +44,16 @@ export async function alreadyStaged(
       ) {
         throw mismatch(
           `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${loop.readOnly ? ' on a read-only device' : isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
+        );
+      }
+      // Published read-only now, while a pod still has a read-write bind of this staging (the volume
+      // was published read-write before): the pods' access does not match the publication.
+      const writable = on.mounts.find(
+        (m) => m.mountPoint !== staging && m.source === top.source && !isReadOnlyMount(m),
+      );
+      if (published && writable) {
+        throw mismatch(
+          `Volume ${r.id} is published read-only to this node, but ${writable.mountPoint} still has it read-write; unpublish it there first.`,
         );
       }
       const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;

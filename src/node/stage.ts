@@ -94,12 +94,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // says, its journal replayed and checked on a writable device (a read-only one would hide what the
   // journal holds), and its pods get read-only binds (publish.ts). A raw block device is itself
   // read-only: a read-only bind of a writable device node still writes.
-  const [readOnly, seen] = await Promise.all([
-    r.cap.accessType === 'block'
-      ? heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly)
-      : Promise.resolve(isReaderOnly(r.cap.mode)),
+  const [published, seen] = await Promise.all([
+    heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly),
     lookAtHost(d, x, r.id),
   ]);
+  const readOnly = r.cap.accessType === 'block' ? published : isReaderOnly(r.cap.mode);
   // The device this node's lease records stays the volume's after the pool was mounted again here (see
   // leaseView); one that may be it never gets a second device of the image beside it.
   const { on, doubtful } = await leaseView(d, seen);
@@ -111,7 +110,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
-  if (await alreadyStaged(d, x, on, r, staging, readOnly, ownLease)) return;
+  if (await alreadyStaged(d, x, on, r, staging, { readOnly, published }, ownLease)) return;
   checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });
   // Nothing is mounted at the staging path here (alreadyStaged saw to it).
   if (r.cap.accessType === 'mount') await refuseHidingFiles(d, staging, 'staging_target_path');

@@ -220,6 +220,28 @@ describe('NodeStageVolume', () => {
     expect(await codeOf(publish(w, id, {}, false))).toBe('OK');
   });
 
+  it('refuses a read-only publication while a pod still has a read-write bind of the staging', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    const multi = { mode: 'SINGLE_NODE_MULTI_WRITER' } as const;
+    await stage(w, id, multi);
+    await publish(w, id, multi);
+    // Published again, read-only this time (the record says so; the CO passes no context here).
+    await w.volumes.publish(
+      id,
+      { node: NODE, readonly: true, accessType: 'mount', mode: 'SINGLE_NODE_MULTI_WRITER', since: 'x' },
+      8,
+    );
+    const second = `${TARGET}-2`;
+    expect(await during(w, () => stage(w, id, multi))).toEqual({ code: 'ALREADY_EXISTS', ops: [] });
+    expect(await codeOf(publish(w, id, multi, false, second))).toBe('FAILED_PRECONDITION');
+    expect(w.host.mountsAt(second)).toEqual([]);
+    await unpublish(w, id);
+    expect(await codeOf(stage(w, id, multi))).toBe('OK');
+    await publish(w, id, multi, false, second);
+    expect(w.host.mountsAt(second)[0]?.options).toContain('ro');
+  });
+
   it('stages a raw block volume published read-only on a read-only device; a mismatched repeat is ALREADY_EXISTS', async () => {
     const w = await world();
     const { id } = await newVolume(w);
