@@ -13,6 +13,7 @@ import type { Exec } from '../exec/runner.js';
 import { type FileId, type Host, type LoopDevice, type MountEntry } from '../host/host.js';
 import { backingName } from '../host/loop.js';
 import { normalPath, sameFile } from '../host/paths.js';
+import { isReadOnlyMount } from '../host/mounts.js';
 import { isVolumeId } from '../pool/ids.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import type { FencedEntry, NodeRegistry } from '../pool/nodes.js';
@@ -225,6 +226,28 @@ export async function heldReadOnly(
   if (isReaderOnly(mode)) return true;
   if (publishedReadOnly !== undefined) return publishedReadOnly;
   return (await d.volumes.attachments(id)).some((a) => a.node === d.nodeId && a.readonly);
+}
+
+/**
+ * Refuses a read-only publication of the filesystem staged at `staging` (device `source`) while a pod
+ * still has a read-write bind of it (the volume was published read-write before), with the error `as`
+ * makes (a stage's ALREADY_EXISTS, a publish's FAILED_PRECONDITION); `target`: the publish's own
+ * target, judged by the publish itself.
+ */
+export function refuseWritableBinds(
+  on: OnHost,
+  id: string,
+  { source, staging, target }: { source: string; staging: string; target?: string },
+  as: (message: string) => Error,
+): void {
+  const writable = on.mounts.find(
+    (m) => m.mountPoint !== staging && m.mountPoint !== target && m.source === source && !isReadOnlyMount(m),
+  );
+  if (writable) {
+    throw as(
+      `Volume ${id} is published read-only to this node, but ${writable.mountPoint} still has it read-write; unpublish it there first.`,
+    );
+  }
 }
 
 /**

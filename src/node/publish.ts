@@ -14,7 +14,7 @@ import type { MountEntry } from '../host/host.js';
 import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { pausepoint } from '../failpoints.js';
 import { isVolumeId } from '../pool/ids.js';
-import { type AccessMode, type Capability, isReaderOnly } from '../pool/types.js';
+import type { AccessMode, Capability } from '../pool/types.js';
 import {
   callerPath,
   checkTargetPlace,
@@ -30,6 +30,7 @@ import {
   type NodeDeps,
   othersLoops,
   refuseHidingFiles,
+  refuseWritableBinds,
   shows,
   stagingLoop,
 } from './on-host.js';
@@ -113,30 +114,14 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     );
   }
   const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
-  // Published read-only now, while another pod still has a read-write bind of this staging (the
-  // volume was published read-write before): that publication must end first.
-  const writable =
-    published && stagedMount
-      ? on.mounts.find(
-          (m) =>
-            m.mountPoint !== staging &&
-            m.mountPoint !== target &&
-            m.source === stagedMount.source &&
-            !isReadOnlyMount(m),
-        )
-      : undefined;
-  if (writable) {
-    throw conflict(
-      `Volume ${r.id} is published read-only to this node, but ${writable.mountPoint} still has it read-write; unpublish it there first.`,
-    );
-  }
-  // Published read-only (or staged on a read-only device): the pod's bind is read-only whatever this
-  // call's own readonly says.
+  if (published && stagedMount)
+    refuseWritableBinds(on, r.id, { source: stagedMount.source, staging, target }, conflict);
+  // Published read-only (a reader's access mode too, or staged on a read-only device): the pod's bind
+  // is read-only whatever this call's own readonly says.
   const readOnly =
     r.readonly ||
     published ||
     staged.readOnly ||
-    isReaderOnly(r.cap.mode) ||
     r.cap.mountFlags.includes('ro') ||
     (stagedMount !== undefined && isReadOnlyMount(stagedMount));
   // The filesystem is the one staged: another fs_type at a target already published is an incompatible
@@ -165,7 +150,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     }
     // A publish cut short between the bind and its remount (see checkBindFlags) left the pod's promises
     // unkept: the retry keeps them before answering OK.
-    if (!options.every((o) => !SECURITY_FLAGS.includes(o) || existing.options.includes(o)))
+    if (options.some((o) => SECURITY_FLAGS.includes(o) && !existing.options.includes(o)))
       await checkBindFlags(d, x, r.id, target, options);
     return;
   }

@@ -9,7 +9,7 @@ import type { Exec } from '../exec/runner.js';
 import { isReadOnlyMount } from '../host/mounts.js';
 import type { Capability, Lease } from '../pool/types.js';
 import { growMounted } from './grow.js';
-import { type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
+import { type NodeDeps, type OnHost, refuseWritableBinds, stagingLoop } from './on-host.js';
 
 /** The same mount flags, in any order, `ro` and `rw` aside (the access mode and the mount decide those). */
 function sameFlags(a: readonly string[], b: readonly string[]): boolean {
@@ -46,16 +46,7 @@ export async function alreadyStaged(
           `Volume ${r.id} is already staged at ${staging} as ${top.fsType}${loop.readOnly ? ' on a read-only device' : isReadOnlyMount(top) ? ' read-only' : ''}, which this request does not match.`,
         );
       }
-      // Published read-only now, while a pod still has a read-write bind of this staging (the volume
-      // was published read-write before): the pods' access does not match the publication.
-      const writable = on.mounts.find(
-        (m) => m.mountPoint !== staging && m.source === top.source && !isReadOnlyMount(m),
-      );
-      if (published && writable) {
-        throw mismatch(
-          `Volume ${r.id} is published read-only to this node, but ${writable.mountPoint} still has it read-write; unpublish it there first.`,
-        );
-      }
+      if (published) refuseWritableBinds(on, r.id, { source: top.source, staging }, mismatch);
       const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;
       if (recorded !== undefined && !sameFlags(recorded, cap.mountFlags)) {
         throw mismatch(
