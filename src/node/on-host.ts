@@ -172,6 +172,17 @@ export async function leaseView(
   return { on: staged.length > 0 ? { ...on, loops: [...on.loops, ...staged] } : on, doubtful };
 }
 
+/**
+ * Refuses (FAILED_PRECONDITION) to `what` while a device this node's lease names may be the volume
+ * (leaseView's `doubtful`): nothing is attached, mounted or bound beside it.
+ */
+export function refuseDoubtful(id: string, doubtful: readonly LoopDevice[], what: string): void {
+  if (doubtful.length === 0) return;
+  throw conflict(
+    `Volume ${id} may still be attached here as ${doubtful.map((l) => l.path).join(', ')}, which this node's lease names but cannot be told apart from another file (the pool's filesystem was mounted again); it was not ${what}: unstage it, or detach that device by hand.`,
+  );
+}
+
 /** This node's lease on volume `id`, revoked or not. */
 export async function ownLease(d: NodeDeps, id: string): Promise<Lease | undefined> {
   return (await d.volumes.leases(id)).find((l) => l.node === d.nodeId);

@@ -24,6 +24,7 @@ import {
   isDeviceBind,
   isSymlinkPath,
   leaseView,
+  refuseDoubtful,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -92,11 +93,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   // After the pool was mounted again here, the staging's device is known by this node's lease (see
   // leaseView); one that may be the volume is never published beside.
   const { on, doubtful } = await leaseView(d, await lookAtHost(d, x, r.id));
-  if (doubtful.length > 0) {
-    throw conflict(
-      `Volume ${r.id} may be attached here as ${doubtful.map((l) => l.path).join(', ')}, which this node's lease names but cannot be told apart from another file; it was not published.`,
-    );
-  }
+  refuseDoubtful(r.id, doubtful, 'published');
   const lease = await d.volumes.lease(r.id, d.nodeId);
   const staged = stagingLoop(on.loops, lease, on.mounts);
   if (!lease || lease.stagingPath !== staging || !staged) {

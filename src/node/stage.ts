@@ -31,6 +31,7 @@ import {
   isDeviceBind,
   isSymlinkPath,
   leaseView,
+  refuseDoubtful,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -102,11 +103,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // The device this node's lease records stays the volume's after the pool was mounted again here (see
   // leaseView); one that may be it never gets a second device of the image beside it.
   const { on, doubtful } = await leaseView(d, seen);
-  if (doubtful.length > 0) {
-    throw conflict(
-      `Volume ${r.id} may still be attached here as ${doubtful.map((l) => l.path).join(', ')}, which this node's lease names (the pool's filesystem was mounted again); unstage it, or detach that device by hand, before staging it again.`,
-    );
-  }
+  refuseDoubtful(r.id, doubtful, 'staged');
   const [fenced] = await fencedDevices(d, r.id, on.loops);
   if (fenced) throw fencedError(r.id, fenced);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
