@@ -232,3 +232,14 @@ export async function thawFenced(devices: readonly string[]): Promise<void> {
     }
   }
 }
+
+/** True when the filesystem at `mp` is frozen (freezing it again says busy). */
+export function frozen(mp: string): boolean {
+  try {
+    execFileSync('fsfreeze', ['--freeze', mp], { stdio: 'pipe' });
+  } catch (err) {
+    return /busy/i.test(String((err as { stderr?: Buffer }).stderr));
+  }
+  execFileSync('fsfreeze', ['--unfreeze', mp]);
+  return false;
+}

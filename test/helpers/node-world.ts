@@ -160,10 +160,10 @@ export async function newVolume(
   return { id, image: w.volumes.imagePath(id) };
 }
 
-export const stage = (w: World, id: string, over: Partial<Capability> = {}) =>
+export const stage = (w: World, id: string, over: Partial<Capability> = {}, staging = STAGING) =>
   stageVolume(w.d, w.x, {
     id,
-    staging: STAGING,
+    staging,
     cap: cap(over),
     publishPool: undefined,
     poolId: undefined,

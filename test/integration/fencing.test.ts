@@ -13,7 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
-import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
+import { frozen, isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
 const fencedDevices: string[] = [];
@@ -32,17 +32,6 @@ async function sourceOf(mp: string): Promise<string> {
 
 const cap = mountCap('ext4');
 const RUN = Date.now().toString(36);
-
-/** True when the filesystem at `mp` is frozen (freezing it again says busy). */
-function frozen(mp: string): boolean {
-  try {
-    execFileSync('fsfreeze', ['--freeze', mp], { stdio: 'pipe' });
-  } catch (err) {
-    return /busy/i.test(String((err as { stderr?: Buffer }).stderr));
-  }
-  execFileSync('fsfreeze', ['--unfreeze', mp]);
-  return false;
-}
 
 async function retryUntilOk(call: () => Promise<unknown>, seconds: number): Promise<{ refusals: string[] }> {
   const refusals: string[] = [];

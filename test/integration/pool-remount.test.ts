@@ -16,7 +16,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
-import { isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
+import { frozen, isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
@@ -58,17 +58,6 @@ function sourceOf(mp: string): string {
     .filter((l) => l.split(' ')[4] === mp)
     .at(-1);
   return line?.split(' - ')[1]?.split(' ')[1] ?? '';
-}
-
-/** True when the filesystem at `mp` is frozen (freezing it again says busy). */
-function frozen(mp: string): boolean {
-  try {
-    execFileSync('fsfreeze', ['--freeze', mp], { stdio: 'pipe' });
-  } catch (err) {
-    return /busy/i.test(String((err as { stderr?: Buffer }).stderr));
-  }
-  execFileSync('fsfreeze', ['--unfreeze', mp]);
-  return false;
 }
 
 const fileDev = async (p: string): Promise<string> => {

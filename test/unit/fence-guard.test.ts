@@ -8,7 +8,6 @@ import fs from 'node:fs/promises';
 import { afterAll, describe, expect, it, vi } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { expandVolume } from '../../src/node/grow.js';
-import { stageVolume } from '../../src/node/stage.js';
 import { QuiesceAgent } from '../../src/node/quiesce.js';
 import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
 import { Turns } from '../../src/pool/turns.js';
@@ -16,7 +15,6 @@ import { InFlight } from '../../src/server/inflight.js';
 import { commandError, FakeHost } from '../helpers/fake-host.js';
 import {
   attachTo,
-  cap,
   codeOf,
   during,
   log,
@@ -497,14 +495,7 @@ describe('freezes for copies', () => {
     for (const [i, id] of ids.entries()) {
       const staging = `${STAGING}-${i}`;
       w.host.addPath(staging);
-      await stageVolume(w.d, w.x, {
-        id,
-        staging,
-        cap: cap(),
-        publishPool: undefined,
-        poolId: undefined,
-        publishedReadOnly: false,
-      });
+      await stage(w, id, {}, staging);
     }
     const { board, agent, answered } = await agentOf(w);
     const write = board.writeAnswers.bind(board);

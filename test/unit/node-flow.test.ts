@@ -599,16 +599,7 @@ describe('a stage that fails undoes what it did', () => {
     w.host.killAfter('attach');
     const staging = `${STAGING}-2`;
     w.host.addPath(staging);
-    const code = await codeOf(
-      stageVolume(w.d, w.x, {
-        id,
-        staging,
-        cap: cap(),
-        publishPool: undefined,
-        poolId: undefined,
-        publishedReadOnly: false,
-      }),
-    );
+    const code = await codeOf(stage(w, id, {}, staging));
     expect({
       code,
       attached: [...w.host.attached.keys()],
