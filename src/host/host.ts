@@ -29,6 +29,7 @@ import { kernelVersion, mkfsCompat } from './mkfs-compat.js';
 import {
   type AttachOptions,
   attachLoop,
+  fitLoopToImage,
   loopSectorSize,
   backingName,
   detachLoop,
@@ -83,6 +84,8 @@ export interface Host {
   /** False when the device stays attached until its last user closes it. */
   detach(x: Exec, loop: LoopDevice): Promise<boolean>;
   refreshSize(x: Exec, loop: LoopDevice): Promise<LoopDevice>;
+  /** Gives a device with sectors larger than the unit of the filesystem its image holds that unit. */
+  fitToImage(x: Exec, image: string, loop: LoopDevice): Promise<LoopDevice>;
   /** The device's logical sector size. */
   sectorSize(loop: LoopDevice): Promise<number>;
   /** True when a filesystem holds the device, mounted here or not. */
@@ -139,6 +142,7 @@ export const kernelHost: Host = {
   attach: attachLoop,
   detach: detachLoop,
   refreshSize: refreshLoopSize,
+  fitToImage: fitLoopToImage,
   sectorSize: loopSectorSize,
   claimed: isClaimed,
   mounts: readMounts,

@@ -24,8 +24,7 @@ import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import { busy, errnoCode } from '../errors.js';
 import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
-import { notAnImage, pinnedPath, withImage } from '../pool/images.js';
-import { isSectorSize } from '../pool/types.js';
+import { filesystemUnit, notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
 
@@ -299,35 +298,35 @@ export async function attachLoop(
     // kernel's choice; the image is read only when it came up with more than 512.
     const pinned = pinnedPath(h);
     if (opts.sectorSize !== undefined) return attachChecked(x, image, pinned, id, opts);
-    const loop = await attachChecked(x, image, pinned, id, opts);
-    const was = await loopSectorSize(loop);
-    if (was <= 512) return loop;
-    const unit = await filesystemUnitOf(h);
-    if (unit === undefined || was <= unit) return loop;
-    // In place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it open.
-    // Still this attachment right before (another's geometry is not changed).
-    await reread(loop);
-    await x.run('losetup', [`--sector-size=${unit}`, loop.path], { timeoutMs: 30_000 });
-    x.log.info(
-      { device: loop.path, was, sector: unit },
-      'set the sector size of the filesystem the image holds',
-    );
-    return reread(loop);
+    return fitSector(x, await attachChecked(x, image, pinned, id, opts), h);
   });
 }
 
-/** The unit of the XFS (sector size) or ext2/3/4 (block size) an image holds; undefined for anything else. */
-async function filesystemUnitOf(h: FileHandle): Promise<number | undefined> {
-  const buf = Buffer.alloc(EXT_SUPER + 64);
-  const { bytesRead } = await h.read(buf, 0, buf.length, 0);
-  let unit: number | undefined;
-  if (bytesRead >= 104 && buf.toString('latin1', 0, 4) === 'XFSB') unit = buf.readUInt16BE(102);
-  else if (bytesRead === buf.length && buf.readUInt16LE(EXT_SUPER + 56) === 0xef53)
-    unit = 1024 * 2 ** Math.min(buf.readUInt32LE(EXT_SUPER + 24), 16);
-  return isSectorSize(unit) ? unit : undefined;
+/**
+ * Gives a device whose sectors are larger than the unit of the XFS or ext2/3/4 its image holds that
+ * unit, in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it open.
+ * Also for a leftover device that an attach killed before this step left at the kernel's choice, which
+ * a stage reuses: no such filesystem mounts on it.
+ */
+export async function fitLoopToImage(x: Exec, image: string, loop: LoopDevice): Promise<LoopDevice> {
+  if ((await loopSectorSize(loop)) <= 512) return loop;
+  return withImage(image, false, (h) => fitSector(x, loop, h));
 }
-/** Where an ext2/3/4 superblock starts (its magic at +56, log2(block size / 1024) at +24). */
-const EXT_SUPER = 1024;
+
+async function fitSector(x: Exec, loop: LoopDevice, h: FileHandle): Promise<LoopDevice> {
+  const was = await loopSectorSize(loop);
+  if (was <= 512) return loop;
+  const unit = await filesystemUnit(h);
+  if (unit === undefined || was <= unit) return loop;
+  // Still this attachment right before (another's geometry is not changed).
+  await reread(loop);
+  await x.run('losetup', [`--sector-size=${unit}`, loop.path], { timeoutMs: 30_000 });
+  x.log.info(
+    { device: loop.path, was, sector: unit },
+    'set the sector size of the filesystem the image holds',
+  );
+  return reread(loop);
+}
 
 async function attachChecked(
   x: Exec,

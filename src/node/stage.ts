@@ -230,9 +230,12 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     if (!loop) {
       loop = await attach(readOnly);
       failpoint('stage:attached');
-    } else if ((await d.host.fileSizeOf(on.image)) !== loop.sizeBytes) {
-      // A reused attachment: make it see the image's current size (it may have grown since).
-      loop = await d.host.refreshSize(x, loop);
+    } else {
+      // A reused attachment: one an attach killed before it was given the filesystem's sector size gets
+      // it now (no mount would succeed), and it is made to see the image's current size (it may have
+      // grown since).
+      if (r.cap.accessType === 'mount' && !inUse(loop)) loop = await d.host.fitToImage(x, on.image, loop);
+      if ((await d.host.fileSizeOf(on.image)) !== loop.sizeBytes) loop = await d.host.refreshSize(x, loop);
     }
     await pausepoint('stage:attached');
     checkpoint(x);

@@ -10,6 +10,7 @@ import { busy, conflict, errnoCode, invalid, unsafe } from '../errors.js';
 import { CommandError, type Exec } from '../exec/runner.js';
 import { type CopyPurpose, telemetry } from '../telemetry.js';
 import type { HeldLock } from './lock.js';
+import { isSectorSize } from './types.js';
 
 export type CopyMethod = 'reflink' | 'sparse-copy';
 
@@ -306,3 +307,16 @@ export async function allocatedBytes(file: string): Promise<number> {
   const st = await fs.stat(file);
   return st.blocks * 512;
 }
+
+/** The unit of the XFS (sector size) or ext2/3/4 (block size) an image holds; undefined for anything else. */
+export async function filesystemUnit(h: FileHandle): Promise<number | undefined> {
+  const buf = Buffer.alloc(EXT_SUPER + 64);
+  const { bytesRead } = await h.read(buf, 0, buf.length, 0);
+  let unit: number | undefined;
+  if (bytesRead >= 104 && buf.toString('latin1', 0, 4) === 'XFSB') unit = buf.readUInt16BE(102);
+  else if (bytesRead === buf.length && buf.readUInt16LE(EXT_SUPER + 56) === 0xef53)
+    unit = 1024 * 2 ** Math.min(buf.readUInt32LE(EXT_SUPER + 24), 16);
+  return isSectorSize(unit) ? unit : undefined;
+}
+/** Where an ext2/3/4 superblock starts (its magic at +56, log2(block size / 1024) at +24). */
+const EXT_SUPER = 1024;

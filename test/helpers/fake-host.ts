@@ -264,6 +264,11 @@ export class FakeHost implements Host {
     return { ...this.view(l), backing: loop.backing };
   }
 
+  /** Filesystems here have no unit: like attach, this keeps the device's sector size. */
+  fitToImage(_x: Exec, _image: string, loop: LoopDevice): Promise<LoopDevice> {
+    return Promise.resolve(loop);
+  }
+
   sectorSize(loop: LoopDevice): Promise<number> {
     return Promise.resolve(this.attached.get(loop.name)?.sectorSize ?? 512);
   }

@@ -101,6 +101,39 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     });
   });
 
+  it('stages over a leftover device that an attach killed before its sector size was set', async () => {
+    // A driver killed between `losetup --find` and `losetup --sector-size` leaves the image attached at
+    // the kernel's 4096 bytes. The retry reuses that device: it must get the XFS's 512 first, or every
+    // mount fails and the volume can never be staged again.
+    const cap = mountCap('xfs');
+    const vol = await createVolume(d, 'xfs-left', cap, 320 * MiB);
+    const st = path.join(base, 'st-left');
+    const tg = path.join(base, 'pods', 'left', 'mount');
+    await stage(d, vol.id, st, cap);
+    await publish(d, vol.id, st, tg, cap);
+    const sum = await writeRandom(path.join(tg, 'data.bin'), 8, 21);
+    await teardown(d, vol.id, st, tg);
+    await d.clients.controller.CreateSnapshot({ name: 'xfs-left-snap', source_volume_id: vol.id });
+    const image = path.join(d.poolDir, 'volumes', vol.id, 'disk.img');
+    const left = sh('losetup', ['--find', '--show', '--direct-io=on', image]).trim();
+    const before = sh('blockdev', ['--getss', left]).trim();
+    await stage(d, vol.id, st, cap);
+    await publish(d, vol.id, st, tg, cap);
+    const device = sh('findmnt', ['--noheadings', '--output', 'SOURCE', '--mountpoint', st]).trim();
+    const after = {
+      device,
+      sectors: sh('blockdev', ['--getss', device]).trim(),
+      sum: await sha256(path.join(tg, 'data.bin')),
+    };
+    await teardown(d, vol.id, st, tg);
+    const stillAttached = sh('losetup', ['--list', '--noheadings', '--output', 'NAME']).includes(left);
+    expect({ before, after, stillAttached }).toEqual({
+      before: '4096', // what the kernel gives an image sharing blocks on this pool: the case at hand
+      after: { device: left, sectors: '512', sum },
+      stillAttached: false,
+    });
+  });
+
   it('keeps a raw block volume at the sector size its data was written on, after snapshots and clones', async () => {
     // What a pod wrote on 512-byte sectors (a partition table, LVM, O_DIRECT at 512) is read at other
     // offsets, or refused, on a device with 4096-byte sectors: the geometry must not change under it.
