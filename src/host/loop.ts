@@ -38,6 +38,8 @@ export interface LoopDevice {
   backing: FileId | undefined;
   readOnly: boolean;
   directIo: boolean;
+  /** Detached by the kernel when its last user closes it (a detach asked while it was open). */
+  autoclear: boolean;
   sizeBytes: number;
   /** The attachment's disk sequence number as sysfs showed it when read; undefined before kernel 6.5. */
   seq?: string;
@@ -64,11 +66,7 @@ function readSys(file: string): string | undefined {
 
 /** One loop device from sysfs (without its backing identity), or undefined when it is not attached. */
 export function readLoop(name: string): Promise<LoopDevice | undefined> {
-  try {
-    return Promise.resolve(loopFromSysfs(name));
-  } catch (err) {
-    return Promise.reject(err instanceof Error ? err : new Error(String(err)));
-  }
+  return new Promise((resolve) => resolve(loopFromSysfs(name))); // read now; a throw rejects
 }
 
 function loopFromSysfs(name: string): LoopDevice | undefined {
@@ -91,9 +89,10 @@ function attachmentFromSysfs(name: string): LoopDevice | undefined {
   const base = path.join(SYS_BLOCK, name);
   const backingFile = readSys(path.join(base, 'loop', 'backing_file'));
   if (backingFile === undefined) return undefined; // not attached
-  const [ro, dio, size, dev] = [
+  const [ro, dio, autoclear, size, dev] = [
     readSys(path.join(base, 'ro')),
     readSys(path.join(base, 'loop', 'dio')),
+    readSys(path.join(base, 'loop', 'autoclear')),
     readSys(path.join(base, 'size')),
     readSys(path.join(base, 'dev')),
   ];
@@ -105,6 +104,7 @@ function attachmentFromSysfs(name: string): LoopDevice | undefined {
     backing: undefined,
     readOnly: ro === '1',
     directIo: dio === '1',
+    autoclear: autoclear === '1',
     sizeBytes: Number(size ?? '0') * 512,
   };
 }
@@ -303,10 +303,8 @@ export async function attachLoop(
 }
 
 /**
- * Gives a device whose sectors are larger than the unit of the XFS or ext2/3/4 its image holds that
- * unit, in place (LOOP_SET_BLOCK_SIZE): a device detached instead may linger while udev has it open.
- * Also for a leftover device that an attach killed before this step left at the kernel's choice, which
- * a stage reuses: no such filesystem mounts on it.
+ * Gives a device with sectors larger than the unit of the XFS or ext2/3/4 its image holds that unit, in
+ * place (a device detached instead may linger while udev has it open); also a leftover an attach left.
  */
 export async function fitLoopToImage(x: Exec, image: string, loop: LoopDevice): Promise<LoopDevice> {
   if ((await loopSectorSize(loop)) <= 512) return loop;

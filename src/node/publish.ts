@@ -103,6 +103,12 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     throw conflict(`Volume ${r.id} is staged for ${lease.accessType} access, not ${r.cap.accessType}.`);
   }
   const isBlock = r.cap.accessType === 'block';
+  if (isBlock && staged.autoclear) {
+    // An unstage asked while a process held the device: it goes when that process closes it.
+    throw conflict(
+      `Volume ${r.id} is being detached from ${staged.path} (a process on this node still holds it open); stage it again once it is gone.`,
+    );
+  }
   const published = await heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly);
   if (published && isBlock && !staged.readOnly) {
     // NodeStageVolume stages such a device read-only; this staging predates the read-only publish.

@@ -79,6 +79,9 @@ export async function alreadyStaged(
     );
   }
   if (ownLease.accessType === 'block' && cap.accessType === 'block') {
+    // An unstage asked while a process held the device: the kernel detaches it when that one closes it,
+    // from under a pod published on it now (a raw block staging does not hold it open).
+    if (live.autoclear) throw stillOpen(r.id, live.path);
     if (ownLease.mode !== cap.mode || ownLease.readonly !== readOnly || live.readOnly !== readOnly) {
       throw mismatch(
         `Volume ${r.id} is already staged at ${staging} with access mode ${ownLease.mode}${live.readOnly ? ', read-only' : ''}.`,
@@ -91,3 +94,9 @@ export async function alreadyStaged(
   }
   return false;
 }
+
+/** The refusal to stage a volume whose device a process holds open while it is being detached. */
+export const stillOpen = (id: string, device: string): Error =>
+  conflict(
+    `Volume ${id} is still attached at ${device}, which a process on this node holds open; it detaches when closed, and the volume cannot be staged until then.`,
+  );

@@ -19,7 +19,7 @@ import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
-import { alreadyStaged } from './restage.js';
+import { alreadyStaged, stillOpen } from './restage.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
   callerPath,
@@ -163,6 +163,15 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     );
   }
 
+  // A device the kernel detaches once its last user closes it (an unstage asked while a process held it
+  // open) is staged again only as the live filesystem a mount keeps open: a raw block staging does not
+  // hold it, so it would go from under the pod, and its number to another volume's image.
+  for (const l of usable) {
+    if (!l.autoclear || (r.cap.accessType === 'mount' && (inUse(l) || (await d.host.claimed(l.path)))))
+      continue;
+    throw stillOpen(r.id, l.path);
+  }
+
   // The node-side fence: no other node may hold it.
   const lease: Lease = {
     node: d.nodeId,
@@ -302,10 +311,7 @@ const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;
  * each other's cache.
  */
 async function detachLeftover(d: NodeDeps, x: Exec, id: string, l: LoopDevice): Promise<void> {
-  if (await d.host.detach(x, l)) return;
-  throw conflict(
-    `Volume ${id} is still attached at ${l.path}, which a process on this node holds open; it detaches when closed, and the volume cannot be staged until then.`,
-  );
+  if (!(await d.host.detach(x, l))) throw stillOpen(id, l.path);
 }
 
 /** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */

@@ -484,7 +484,7 @@ export class FakeHost implements Host {
   }
 
   private view(l: FakeLoop): LoopDevice {
-    const { image: _i, identity: _d, autoclear: _a, sectorSize: _s, ...loop } = l;
+    const { image: _i, identity: _d, sectorSize: _s, ...loop } = l;
     return loop;
   }
 

@@ -227,6 +227,70 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     expect(result).toEqual({ code: 'OK', source: second, precious: 'precious\n' });
   });
 
+  it("never stages a raw block volume on a device its old pod's process holds open: it goes when closed, and its number to another volume", async () => {
+    // An unstage asked while a process holds the device only marks it for detaching (autoclear); a
+    // raw block staging does not hold it, so a stage on it would lose it from under the new pod, and a
+    // later attach would hand its number, and so the new pod's writes, to another volume's image.
+    const cap = blockCap();
+    const a = await createVolume(d, 'held-a', cap, 16 * MiB);
+    const b = await createVolume(d, 'held-b', cap, 16 * MiB);
+    await stage(d, a.id, p('held-a-st'), cap);
+    await publish(d, a.id, p('held-a-st'), p('pods', 'held-1', 'dev'), cap);
+    const device = sh('losetup', ['--noheadings', '--output', 'NAME', '--associated', a.image]).trim();
+    const holder = spawn('sh', ['-c', `exec 3<>${device}; echo open; exec sleep 300`], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    });
+    const gone = new Promise((resolve) => holder.once('exit', resolve));
+    let codes: Record<string, string>;
+    try {
+      await new Promise((resolve) => holder.stdout.once('data', resolve));
+      await unpublish(a.id, p('pods', 'held-1', 'dev'));
+      codes = {
+        unstage: await codeOf(unstage(a.id, p('held-a-st'))),
+        restage: await codeOf(stage(d, a.id, p('held-a-st'), cap)),
+      };
+    } finally {
+      holder.kill('SIGKILL');
+      await gone;
+    }
+    for (let i = 0; i < 100 && sh('losetup', ['--associated', a.image]).trim() !== ''; i++)
+      await new Promise((r) => setTimeout(r, 20));
+    // Once the old holder is gone, each volume is staged on a device of its own image.
+    const heads: Record<string, string> = {};
+    for (const [n, v] of [
+      ['a', a],
+      ['b', b],
+    ] as const) {
+      codes[`stage-${n}`] = await codeOf(stage(d, v.id, p(`held-${n}-st`), cap));
+      await publish(d, v.id, p(`held-${n}-st`), p('pods', `held-${n}2`, 'dev'), cap);
+      const dev = await fs.open(p('pods', `held-${n}2`, 'dev'), 'r+');
+      await dev.write(Buffer.from(`volume ${n}`), 0, 8, 0);
+      await dev.sync();
+      await dev.close();
+    }
+    for (const [n, v] of [
+      ['a', a],
+      ['b', b],
+    ] as const) {
+      await unpublish(v.id, p('pods', `held-${n}2`, 'dev'));
+      await unstage(v.id, p(`held-${n}-st`));
+      const h = await fs.open(v.image, 'r');
+      const buf = Buffer.alloc(8);
+      await h.read(buf, 0, 8, 0);
+      await h.close();
+      heads[n] = buf.toString();
+    }
+    expect({ codes, heads }).toEqual({
+      codes: {
+        unstage: 'FAILED_PRECONDITION',
+        restage: 'FAILED_PRECONDITION',
+        'stage-a': 'OK',
+        'stage-b': 'OK',
+      },
+      heads: { a: 'volume a', b: 'volume b' },
+    });
+  });
+
   it('answers ALREADY_EXISTS to a re-stage with other mount flags, OK to the same in another order', async () => {
     const cap = mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid']);
     const { id } = await createVolume(d, 'flags', cap, 32 * MiB);

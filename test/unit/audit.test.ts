@@ -31,6 +31,7 @@ const loop = (name: string): LoopDevice => ({
   backing: undefined,
   readOnly: false,
   directIo: true,
+  autoclear: false,
   sizeBytes: 1,
 });
 const mount = (source: string, mountPoint: string): MountEntry => ({

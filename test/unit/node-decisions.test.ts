@@ -220,6 +220,7 @@ describe('mounts', () => {
         backing: undefined,
         readOnly: false,
         directIo: true,
+        autoclear: false,
         sizeBytes: 1,
       },
       {
@@ -230,6 +231,7 @@ describe('mounts', () => {
         backing: undefined,
         readOnly: true,
         directIo: true,
+        autoclear: false,
         sizeBytes: 1,
       },
     ];
