@@ -66,7 +66,10 @@ function readSys(file: string): string | undefined {
 
 /** One loop device from sysfs (without its backing identity), or undefined when it is not attached. */
 export function readLoop(name: string): Promise<LoopDevice | undefined> {
-  return new Promise((resolve) => resolve(loopFromSysfs(name))); // read now; a throw rejects
+  // Read now, not in a later turn; a throw rejects.
+  return new Promise((resolve) => {
+    resolve(loopFromSysfs(name));
+  });
 }
 
 function loopFromSysfs(name: string): LoopDevice | undefined {
