@@ -1,7 +1,8 @@
 /**
- * The CSI Node service: each RPC validates its request, names the key it holds (the volume's node
- * key, which a freeze for a snapshot holds too), and calls the algorithm in src/node/ that does the
- * work: stage.ts, unstage.ts, publish.ts (publish and unpublish), stats.ts, grow.ts (expand).
+ * The CSI Node service: each RPC validates its request, names the keys it holds (the volume's node
+ * key, which a freeze for a snapshot holds too, and its paths' keys), and calls the algorithm in
+ * src/node/ that does the work: stage.ts, unstage.ts, publish.ts (publish and unpublish), stats.ts,
+ * grow.ts (expand).
  */
 import { failedPrecondition, invalidArgument } from '../errors.js';
 import type { NodeHandlers } from '../gen/csi/v1/Node.js';
@@ -15,6 +16,7 @@ import { stageVolume } from '../node/stage.js';
 import { volumeStats } from '../node/stats.js';
 import { unstageVolume } from '../node/unstage.js';
 import { method, type Methods } from '../server/call.js';
+import { pathKey } from '../server/inflight.js';
 import { parseCapability, parseRange, requireField, requirePath, TOPOLOGY_KEY } from './validate.js';
 
 export const NODE_CAPABILITIES = [
@@ -45,7 +47,11 @@ function publishedReadOnly(context: Record<string, string>): boolean | undefined
 }
 
 export function nodeService(d: NodeDeps): Methods<NodeHandlers> {
-  const locks = (v: { id: string }): string[] => [nodeKey(v.id)];
+  // The volume's key, and the key of each path the call mounts at or reads the mount of (see pathKey).
+  const locks = (v: { id: string; staging?: string; target?: string }): string[] => [
+    nodeKey(v.id),
+    ...[v.staging, v.target].filter((p) => p !== undefined).map(pathKey),
+  ];
 
   // The same answer every time: built once, not per call (kubelet asks before every volume operation).
   const capabilities: NodeGetCapabilitiesResponse = {

@@ -291,6 +291,87 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     });
   });
 
+  it('two volumes staged at one path, or published at a target and inside it, at once: one is refused, nothing stacked or hidden', async () => {
+    // Each call checks the place, then mounts there: two at once both found it free and both mounted,
+    // one volume hidden under the other (or inside its filesystem), and every later call stuck.
+    const cap = mountCap('ext4');
+    const one = async (point: string) => {
+      const dir = await env.dir(`race-${point.replace(':', '-')}`);
+      const n = await env.driver({ dir, env: { LOOPVOL_PAUSEPOINT: `${point}:400` } });
+      const a = await createVolume(n, 'race-a', cap, 32 * MiB);
+      const b = await createVolume(n, 'race-b', cap, 32 * MiB);
+      return { n, a: a.id, b: b.id, at: (...parts: string[]) => path.join(dir, ...parts) };
+    };
+    const mountsAt = (where: string): number =>
+      sh('findmnt', ['--noheadings', '--output', 'TARGET', '--mountpoint', where])
+        .split('\n')
+        .filter((l) => l.trim() !== '').length;
+    const mountsAtOrNone = (where: string): number => {
+      try {
+        return mountsAt(where);
+      } catch {
+        return 0; // findmnt exits 1 when nothing is mounted there
+      }
+    };
+
+    const st = await one('stage:attached');
+    const shared = st.at('st-shared');
+    const staged = await Promise.all([st.a, st.b].map((id) => codeOf(stage(st.n, id, shared, cap))));
+    const stagedMounts = mountsAtOrNone(shared);
+    const winner = staged[0] === 'OK' ? st.a : st.b;
+    const unstaged = await codeOf(
+      st.n.clients.node.NodeUnstageVolume({ volume_id: winner, staging_target_path: shared }),
+    );
+
+    const pb = await one('publish:prepared');
+    await stage(pb.n, pb.a, pb.at('st-a'), cap);
+    await stage(pb.n, pb.b, pb.at('st-b'), cap);
+    const outer = pb.at('pods', 'p', 'vol');
+    const published = await Promise.all([
+      codeOf(publish(pb.n, pb.a, pb.at('st-a'), outer, cap)),
+      codeOf(publish(pb.n, pb.b, pb.at('st-b'), path.join(outer, 'sub'), cap)),
+    ]);
+    const insideA = (await fs.readdir(pb.at('st-a'))).sort();
+    const outerDown = await codeOf(
+      published[0] === 'OK' ? unpublish(pb.a, outer) : unpublish(pb.b, path.join(outer, 'sub')),
+    );
+    const same = pb.at('pods', 'q', 'vol');
+    const published2 = await Promise.all([
+      codeOf(publish(pb.n, pb.a, pb.at('st-a'), same, cap)),
+      codeOf(publish(pb.n, pb.b, pb.at('st-b'), same, cap)),
+    ]);
+    const stacked = mountsAtOrNone(same);
+    const down = await codeOf(unpublish(published2[0] === 'OK' ? pb.a : pb.b, same));
+    for (const id of [pb.a, pb.b])
+      await pb.n.clients.node.NodeUnstageVolume({
+        volume_id: id,
+        staging_target_path: pb.at(id === pb.a ? 'st-a' : 'st-b'),
+      });
+    expect({
+      staged: [...staged].sort(),
+      stagedMounts,
+      unstaged,
+      published: [...published].sort(),
+      insideA,
+      outerDown,
+      published2: [...published2].sort(),
+      stacked,
+      down,
+      left: mountsAtOrNone(same),
+    }).toEqual({
+      staged: ['ABORTED', 'OK'],
+      stagedMounts: 1,
+      unstaged: 'OK',
+      published: ['ABORTED', 'OK'],
+      insideA: ['lost+found'],
+      outerDown: 'OK',
+      published2: ['ABORTED', 'OK'],
+      stacked: 1,
+      down: 'OK',
+      left: 0,
+    });
+  });
+
   it('answers ALREADY_EXISTS to a re-stage with other mount flags, OK to the same in another order', async () => {
     const cap = mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid']);
     const { id } = await createVolume(d, 'flags', cap, 32 * MiB);
