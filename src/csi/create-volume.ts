@@ -28,6 +28,8 @@ import {
   type VolumeMeta,
 } from '../pool/types.js';
 import type { FillResult } from '../pool/volumes.js';
+import { pausepoint } from '../failpoints.js';
+import type { HeldLock } from '../pool/lock.js';
 import { method, type Method } from '../server/call.js';
 import type { CreateVolumeRequest__Output } from '../gen/csi/v1/CreateVolumeRequest.js';
 import type { CreateVolumeResponse } from '../gen/csi/v1/CreateVolumeResponse.js';
@@ -253,7 +255,7 @@ export function createVolumeMethod(
         updatedAt: now,
       };
       const preallocated = v.allocation === 'preallocate';
-      const fill = async (image: string): Promise<FillResult> => {
+      const fill = async (image: string, lock: HeldLock): Promise<FillResult> => {
         // Its blocks are shared with its source (a reflink); the sector size the source's data was written on.
         const copied: { shared: boolean; sectorSize?: number } = {
           shared: false,
@@ -302,11 +304,12 @@ export function createVolumeMethod(
         }
         // A preallocated volume owns its blocks: a reflinked copy's are shared with its source until
         // written, so they are made its own (outside the source's lock and freeze) before the rest is reserved.
-        if (preallocated && copied.shared) await ownBlocks(ctx, image);
+        if (preallocated && copied.shared) await ownBlocks(ctx, image, lock.signal);
         // A sparse one keeps sharing them: each may need a block of its own when it is rewritten.
         const sharedBytes = copied.shared && !preallocated ? await allocatedBytes(image) : undefined;
+        await pausepoint('create-volume:filled');
         await growImage(ctx, image, size, false);
-        if (preallocated) await preallocate(ctx, image, 0, size);
+        if (preallocated) await preallocate(ctx, image, 0, size, lock.signal);
         return {
           initialized: sourceInitialized,
           sectorSize: copied.sectorSize,

@@ -88,17 +88,39 @@ export async function createSparseImage(file: string, size: number): Promise<voi
   }
 }
 
-/** Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space. */
-export async function preallocate(x: Exec, file: string, offset: number, length: number): Promise<void> {
+/**
+ * Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space; stopped
+ * by `signal` (a lock that was lost), not by the caller.
+ */
+export async function preallocate(
+  x: Exec,
+  file: string,
+  offset: number,
+  length: number,
+  signal?: AbortSignal,
+): Promise<void> {
   if (length <= 0) return;
-  await withImage(file, true, (h) => reserveBlocks(x, h, offset, length));
+  await withImage(file, true, (h) => reserveBlocks(x, h, offset, length, signal));
 }
 
-/** fallocate on the image `h` holds open, then synced. */
-async function reserveBlocks(x: Exec, h: FileHandle, offset: number, length: number): Promise<void> {
+/**
+ * fallocate on the image `h` holds open, then synced. It runs to its end, as a copy does: one killed at
+ * the caller's deadline threw away the whole copy before it (a restore or clone longer than the
+ * provisioner's timeout was made again at every retry, and never finished).
+ */
+async function reserveBlocks(
+  x: Exec,
+  h: FileHandle,
+  offset: number,
+  length: number,
+  signal?: AbortSignal,
+): Promise<void> {
   try {
     await x.run('fallocate', ['--offset', String(offset), '--length', String(length), pinnedPath(h)], {
+      detached: true,
+      diesWithProcess: true,
       timeoutMs: 10 * 60 * 1000,
+      ...(signal ? { signal } : {}),
     });
   } catch (err) {
     if (err instanceof CommandError && /not supported/i.test(err.stderr)) {
@@ -128,7 +150,7 @@ export async function growImage(
     const st = await h.stat();
     if (st.size >= size) return;
     // fallocate extends the file too (it never shrinks one); a sparse image is only made longer.
-    if (preallocated) await reserveBlocks(x, h, st.size, size - st.size);
+    if (preallocated) await reserveBlocks(x, h, st.size, size - st.size, lock?.signal);
     lock?.assertHeld();
     if ((await h.stat()).size < size) await h.truncate(size);
     await h.sync();

@@ -391,6 +391,42 @@ describe.skipIf(!isRoot())('a caller that gives up half-way', () => {
   });
 });
 
+describe.skipIf(!isRoot())('a preallocated restore that outlasts its caller', () => {
+  it('is finished and kept once its copy is done, so the retry gets it (it was thrown away after every copy)', async () => {
+    const base = await env.dir('prealloc-late');
+    // The pause stands for a copy longer than the caller's deadline (the provisioner's is 10 s).
+    const d = await env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: 'create-volume:filled:1500' } });
+    const cap = blockCap();
+    const src = await createVolume(d, `late-src-${RUN}`, cap, 16 * MiB, null);
+    const snap = await d.clients.controller.CreateSnapshot({
+      name: `late-snap-${RUN}`,
+      source_volume_id: src.id,
+    });
+    const restore = () =>
+      codeOf(
+        d.clients.controller.CreateVolume(
+          {
+            name: `late-restore-${RUN}`,
+            parameters: { allocation: 'preallocate' },
+            capacity_range: { required_bytes: String(16 * MiB) },
+            volume_capabilities: [cap],
+            volume_content_source: { snapshot: { snapshot_id: snap.snapshot?.snapshot_id } },
+          },
+          { timeoutMs: 700 },
+        ),
+      );
+    const first = await restore();
+    // Retried as the provisioner does, with the same deadline, until an answer that is not "busy".
+    const retries: string[] = [];
+    for (let i = 0; i < 20; i++) {
+      await new Promise((r) => setTimeout(r, 300));
+      retries.push(await restore());
+      if (retries.at(-1) !== 'ABORTED') break;
+    }
+    expect({ first, last: retries.at(-1) }).toEqual({ first: 'DEADLINE_EXCEEDED', last: 'OK' });
+  });
+});
+
 describe.skipIf(!isRoot())('a staging mount that goes away under a published volume', () => {
   /** The source device of the mount at `mp` (the last one stacked there). */
   const sourceAt = async (mp: string): Promise<string | undefined> =>
