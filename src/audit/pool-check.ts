@@ -30,7 +30,8 @@ const GONE_NODE =
 
 export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] {
   const out: Finding[] = [];
-  const locked = new Set(inv.locks.map((l) => l.key));
+  // Held by a call at work (a holder proven gone hides nothing: what it left unfinished is reported).
+  const locked = new Set(inv.locks.filter((l) => l.gone === undefined).map((l) => l.key));
   const groupRecords = new Map(inv.groups.map((g) => [g.id, g.record]));
   const damagedSnapshots = new Set(
     inv.snapshots.filter((s) => s.record.state === 'damaged').map((s) => s.id),

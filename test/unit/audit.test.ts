@@ -196,10 +196,20 @@ describe('poolFindings', () => {
       state: 'ok' as const,
       value: { state: 'creating', name: 'n' } as unknown as VolumeMeta,
     };
-    inv.volumes.push(volume('vol-busy', { record: creating }), volume('vol-left', { record: creating }));
-    inv.locks.push(heldLock('vol-busy', 'CreateVolume'));
-    expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? ''}`)).toEqual([
+    inv.volumes.push(
+      volume('vol-busy', { record: creating }),
+      volume('vol-left', { record: creating }),
+      volume('vol-killed', { record: creating }),
+    );
+    inv.locks.push(heldLock('vol-busy', 'CreateVolume'), {
+      ...heldLock('vol-killed', 'CreateVolume'),
+      gone: 'its process 7 on this host has exited',
+    });
+    // A lock whose holder is proven gone (killed mid-copy) hides nothing: its creation is unfinished.
+    expect(poolFindings(inv, opts).map((f) => `${f.kind} ${f.volumeId ?? f.subject}`)).toEqual([
       'unfinished-creation vol-left',
+      'unfinished-creation vol-killed',
+      'abandoned-lock /p/locks/vol-killed.lock',
     ]);
   });
   it("tells a group snapshot's member waiting for its group's copy from an interrupted one, by the group's lock", () => {
