@@ -89,6 +89,12 @@ export async function unmountAll(
     try {
       await x.run('umount', [mountPoint], { timeoutMs: 120_000 });
     } catch (err) {
+      if (err instanceof CommandError && /target is busy|device is busy/i.test(err.stderr)) {
+        throw conflict(
+          `${mountPoint} is busy: a process on this node still uses it (a working directory or an open file there); it stays mounted until that ends.`,
+          err,
+        );
+      }
       // A mount that vanished between our look and umount is what we wanted.
       if (!(err instanceof CommandError && /not mounted|no mount point/i.test(err.stderr))) throw err;
     }

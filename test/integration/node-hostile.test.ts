@@ -372,6 +372,34 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     });
   });
 
+  it('answers FAILED_PRECONDITION, not INTERNAL, to an unpublish while a process works in the target, OK once it left', async () => {
+    const cap = mountCap('ext4');
+    const { id } = await createVolume(d, 'busy-target', cap, 32 * MiB);
+    const target = p('pods', 'busy', 'mnt');
+    await stage(d, id, p('busy-st'), cap);
+    await publish(d, id, p('busy-st'), target, cap);
+    const inside = spawn('sh', ['-c', 'echo in; exec sleep 300'], {
+      cwd: target,
+      stdio: ['ignore', 'pipe', 'inherit'],
+    });
+    const gone = new Promise((resolve) => inside.once('exit', resolve));
+    let busy: string;
+    try {
+      await new Promise((resolve) => inside.stdout.once('data', resolve));
+      busy = await codeOf(unpublish(id, target));
+    } finally {
+      inside.kill('SIGKILL');
+      await gone;
+    }
+    const after = await codeOf(unpublish(id, target));
+    await unstage(id, p('busy-st'));
+    expect({ busy, after, mounted: await isMounted(target) }).toEqual({
+      busy: 'FAILED_PRECONDITION',
+      after: 'OK',
+      mounted: false,
+    });
+  });
+
   it('answers ALREADY_EXISTS to a re-stage with other mount flags, OK to the same in another order', async () => {
     const cap = mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid']);
     const { id } = await createVolume(d, 'flags', cap, 32 * MiB);
