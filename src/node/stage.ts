@@ -109,8 +109,15 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, x, on, r, staging, { readOnly, published }, ownLease)) return;
   checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });
-  // Nothing is mounted at the staging path here (alreadyStaged saw to it).
+  // Nothing is mounted at a filesystem's staging path here (alreadyStaged saw to it). A raw block
+  // staging mounts nothing there: at a path with a mount (another volume's staging), its unstage
+  // would find that mount, not its own, for good.
   if (r.cap.accessType === 'mount') await refuseHidingFiles(d, staging, 'staging_target_path');
+  const there = on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+  if (there)
+    throw conflict(
+      `staging_target_path ${staging} has ${there.source} mounted on it, which is not volume ${r.id}; stage it at a path of its own.`,
+    );
 
   // A loop device of this image that nothing uses is a leftover of an interrupted call: reused when it
   // is attached the right way round, detached otherwise. One in use is another staging's.

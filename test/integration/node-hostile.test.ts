@@ -400,6 +400,21 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     });
   });
 
+  it("refuses to stage a raw block volume at another volume's mounted staging path (its unstage would be refused for good)", async () => {
+    const fsCap = mountCap('ext4');
+    const b = await createVolume(d, 'owner-fs', fsCap, 32 * MiB);
+    const c = await createVolume(d, 'intruder-raw', blockCap(), 16 * MiB);
+    await stage(d, b.id, p('owner-st'), fsCap);
+    const code = await codeOf(stage(d, c.id, p('owner-st'), blockCap()));
+    const attachedC = sh('losetup', ['--noheadings', '--output', 'NAME', '--associated', c.image]).trim();
+    const unstagedB = await codeOf(unstage(b.id, p('owner-st')));
+    expect({ code, attachedC, unstagedB }).toEqual({
+      code: 'FAILED_PRECONDITION',
+      attachedC: '',
+      unstagedB: 'OK',
+    });
+  });
+
   it('answers ALREADY_EXISTS to a re-stage with other mount flags, OK to the same in another order', async () => {
     const cap = mountCap('ext4', 'SINGLE_NODE_WRITER', ['noexec', 'nosuid']);
     const { id } = await createVolume(d, 'flags', cap, 32 * MiB);
