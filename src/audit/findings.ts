@@ -13,6 +13,7 @@ export type FindingKind =
   | 'damaged-fences'
   | 'damaged-node-record'
   | 'unfinished-creation'
+  | 'image-larger-than-record'
   | 'quarantined-record'
   | 'stale-lease'
   | 'stale-revoked-lease'

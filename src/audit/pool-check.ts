@@ -119,6 +119,16 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
   }
 
   for (const v of inv.volumes) {
+    const recorded = v.record.state === 'ok' && v.record.value.state === 'ready' ? v.record.value : undefined;
+    if (recorded && v.image && v.image.sizeBytes > recorded.capacityBytes && !locked.has(v.id)) {
+      add({
+        kind: 'image-larger-than-record',
+        subject: `${v.dir}/disk.img`,
+        volumeId: v.id,
+        detail: `the image of volume ${v.id} holds ${v.image.sizeBytes} bytes, its record says ${recorded.capacityBytes}: an expansion was cut short between the two`,
+        action: `A ControllerExpandVolume to at least ${v.image.sizeBytes} bytes records it (the CO retries the one cut short); until then its snapshots hold the larger size.`,
+      });
+    }
     if (v.fencesDamaged) {
       add({
         kind: 'damaged-fences',

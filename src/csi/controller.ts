@@ -4,6 +4,7 @@
  * leaves crash safety and cross-process locking to the pool stores. CreateVolume lives in
  * create-volume.ts, the snapshot RPCs in snapshots.ts.
  */
+import { failpoint } from '../failpoints.js';
 import fs from 'node:fs/promises';
 import type { Config } from '../config.js';
 import { invalidArgument, notFound, outOfRange } from '../errors.js';
@@ -339,6 +340,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
               grown && meta.allocation !== 'preallocate' ? target - Math.min(st.size, target) : undefined,
             );
           }
+          failpoint('expand-volume:grown');
           ctx.log.info({ volumeId: id, from: current, to: target }, 'grew volume image');
           return { ...meta, capacityBytes: target };
         });

@@ -3,6 +3,7 @@
  * is locked and frozen (where mounted on this host), so they stand for one instant. A group that a
  * crash interrupted is redone whole on retry: keeping the members already copied would mix instants.
  */
+import fs from 'node:fs/promises';
 import { alreadyExists, invalidArgument, notFound } from '../errors.js';
 import type { GroupControllerHandlers } from '../gen/csi/v1/GroupController.js';
 import type { VolumeGroupSnapshot } from '../gen/csi/v1/VolumeGroupSnapshot.js';
@@ -149,7 +150,9 @@ export function groupService(d: GroupDeps): Methods<GroupControllerHandlers> {
                     await plan.copy(src.id, image);
                     return {
                       takenAt: at,
-                      sizeBytes: held.meta.capacityBytes,
+                      // The copy's size, as CreateSnapshot records it: an image an expansion cut short
+                      // left larger than its record restores into a volume it fits.
+                      sizeBytes: (await fs.stat(image)).size,
                       fsType: held.meta.fsType,
                       initialized: held.initialized,
                       sectorSize: held.sectorSize,

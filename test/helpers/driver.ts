@@ -5,6 +5,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { csiClients, type CsiClients } from './grpc.js';
+import { SLOW } from './host.js';
 
 export const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..');
 export const MAIN = path.join(REPO, 'dist', 'main.js');
@@ -89,13 +90,13 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
   );
   const endpoint = `unix://${socket}`;
   const clients = csiClients(endpoint);
-  const deadline = Date.now() + 15_000;
+  const deadline = Date.now() + 15_000 * SLOW;
   let ready = false;
   let exitCode: number | null | undefined;
   void exited.then((c) => (exitCode = c));
   while (Date.now() < deadline && exitCode === undefined) {
     try {
-      await clients.identity.GetPluginInfo({}, { timeoutMs: 1000 });
+      await clients.identity.GetPluginInfo({}, { timeoutMs: 1000 * SLOW });
       ready = true;
       break;
     } catch {

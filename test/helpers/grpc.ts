@@ -5,6 +5,7 @@ import type { ControllerClient } from '../../src/gen/csi/v1/Controller.js';
 import type { GroupControllerClient } from '../../src/gen/csi/v1/GroupController.js';
 import type { IdentityClient } from '../../src/gen/csi/v1/Identity.js';
 import type { NodeClient } from '../../src/gen/csi/v1/Node.js';
+import { SLOW } from './host.js';
 
 type Promisified<C> = {
   [K in keyof C as K extends string ? (K extends Capitalize<K> ? K : never) : never]: C[K] extends (
@@ -23,7 +24,7 @@ function promisify<C extends grpc.Client>(client: C): Promisified<C> {
       if (typeof fn !== 'function') return undefined;
       return (request: unknown, options?: { timeoutMs?: number }) =>
         new Promise((resolve, reject) => {
-          const deadline = new Date(Date.now() + (options?.timeoutMs ?? 120_000));
+          const deadline = new Date(Date.now() + (options?.timeoutMs ?? 120_000 * SLOW));
           (
             fn as (
               r: unknown,

@@ -211,6 +211,12 @@ export const GiB = 2 ** 30;
 export const isRoot = (): boolean => process.getuid?.() === 0;
 
 /**
+ * How many times slower than this machine the suites run: LOOPVOL_TEST_SLOW, set by test/kernels/ for a
+ * guest whose CPU is emulated. The helpers' waits for a process or a mount scale by it.
+ */
+export const SLOW = Math.max(1, Number(process.env.LOOPVOL_TEST_SLOW ?? 1) || 1);
+
+/**
  * What a reboot of a fenced node would end: mounts each device's frozen ext4 superblock again (the
  * kernel hands back the frozen one), thaws it and unmounts it, so the loop device can go.
  */

@@ -17,7 +17,7 @@ import fs from 'node:fs/promises';
 import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
-import { leaksUnder } from './host.js';
+import { leaksUnder, SLOW } from './host.js';
 
 export const SSHD = '/usr/sbin/sshd';
 const SFTP_SERVERS = [
@@ -256,7 +256,7 @@ export async function startSshServer(): Promise<SshServer> {
       const p = spawn(SSHD, ['-D', '-e', '-f', config], { stdio: ['ignore', 'ignore', 'pipe'] });
       log = '';
       p.stderr.on('data', (d: Buffer) => (log += d.toString()));
-      const deadline = Date.now() + 10_000;
+      const deadline = Date.now() + 10_000 * SLOW;
       while (
         Date.now() < deadline &&
         !exited(p) &&
@@ -330,7 +330,7 @@ function makeServer(
       }
       throw new Error(`sshfs mount of ${exportDir} at ${mountPoint}: ${why}: ${err}`);
     };
-    const deadline = Date.now() + 15_000;
+    const deadline = Date.now() + 15_000 * SLOW;
     while ((await mountedType(mountPoint)) !== 'fuse.sshfs') {
       if (exited(proc)) return fail(`sshfs exited (${String(proc.exitCode ?? proc.signalCode)})`);
       if (Date.now() > deadline) return fail('not mounted within 15 s');

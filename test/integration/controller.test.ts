@@ -6,7 +6,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { CreateVolumeRequest } from '../../src/gen/csi/v1/CreateVolumeRequest.js';
-import type { DriverArgs, DriverProcess } from '../helpers/driver.js';
+import { type DriverArgs, type DriverProcess, runMain } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { diskUsage, GiB, leaksUnder, MiB, scratchFilesystem, type ScratchFs } from '../helpers/host.js';
@@ -307,6 +307,47 @@ describe('crash safety', () => {
     const list = await second.clients.controller.ListVolumes({});
     expect(list.entries.map((e) => e.volume?.volume_id)).toEqual([id]);
     expect((await second.clients.controller.CreateVolume(req)).volume?.volume_id).toBe(id);
+  });
+
+  it('a ControllerExpandVolume killed between the image and its record: snapshots of both kinds hold the image, check says so, the retry records it', async () => {
+    const base = await dir('crashgrow');
+    const first = await driver({ dir: base, env: { LOOPVOL_FAILPOINT: 'expand-volume:grown' } });
+    const v = await first.clients.controller.CreateVolume({
+      name: 'pvc-grow-cut',
+      capacity_range: { required_bytes: String(16 * MiB) },
+      volume_capabilities: [blockCap()],
+    });
+    const id = v.volume?.volume_id ?? '';
+    const grow = (c: DriverProcess) =>
+      c.clients.controller.ControllerExpandVolume({
+        volume_id: id,
+        capacity_range: { required_bytes: String(32 * MiB) },
+      });
+    expect(await codeOf(grow(first))).not.toBe('OK');
+    expect(await first.exited).toBe(null); // killed by SIGKILL
+    const second = await driver({ dir: base });
+    const one = await second.clients.controller.CreateSnapshot({ name: 'cut-one', source_volume_id: id });
+    const group = await second.clients.group.CreateVolumeGroupSnapshot({
+      name: 'cut-group',
+      source_volume_ids: [id],
+    });
+    const check = await runMain(['check', '--only=pool', '--json', `--pool-dir=${second.poolDir}`]);
+    const kinds = (JSON.parse(check.stdout) as { findings: { kind: string }[] }).findings.map((f) => f.kind);
+    const retried = await grow(second);
+    const after = await runMain(['check', '--only=pool', '--json', `--pool-dir=${second.poolDir}`]);
+    expect({
+      one: one.snapshot?.size_bytes,
+      member: group.group_snapshot?.snapshots[0]?.size_bytes,
+      kinds,
+      retried: retried.capacity_bytes,
+      after: (JSON.parse(after.stdout) as { findings: unknown[] }).findings,
+    }).toEqual({
+      one: String(32 * MiB),
+      member: String(32 * MiB),
+      kinds: ['image-larger-than-record'],
+      retried: String(32 * MiB),
+      after: [],
+    });
   });
 
   it('a DeleteVolume killed after it moved the volume away is not resurrected', async () => {

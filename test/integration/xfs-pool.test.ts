@@ -127,8 +127,10 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     };
     await teardown(d, vol.id, st, tg);
     const stillAttached = sh('losetup', ['--list', '--noheadings', '--output', 'NAME']).includes(left);
-    expect({ before, after, stillAttached }).toEqual({
-      before: '4096', // what the kernel gives an image sharing blocks on this pool: the case at hand
+    // This kernel gives an image that shares blocks 4096-byte sectors with direct I/O (6.18 does, 6.1
+    // does not): the case at hand. Where it gives 512, the leftover is reused as it is.
+    expect(['512', '4096']).toContain(before);
+    expect({ after, stillAttached }).toEqual({
       after: { device: left, sectors: '512', sum },
       stillAttached: false,
     });
