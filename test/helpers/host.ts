@@ -6,6 +6,9 @@ import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { pino } from 'pino';
+import { bindExec, ExecRunner } from '../../src/exec/runner.js';
+import { mkfsCompat } from '../../src/host/mkfs-compat.js';
 
 export interface Leaks {
   loops: string[];
@@ -146,11 +149,14 @@ export async function scratchFilesystem(
   const mountPoint = path.join(dir, 'mnt');
   await fs.mkdir(mountPoint, { recursive: true });
   sh('truncate', ['-s', `${sizeMiB}M`, image]);
+  // Made as the driver makes filesystems on this kernel: newer mkfs defaults an older kernel cannot mount.
+  const x = bindExec(new ExecRunner(), { log: pino({ level: 'silent' }) });
+  const { args: compat } = await mkfsCompat(x, fsType);
   const device = sh('losetup', ['--find', '--show', image]).trim();
   try {
-    if (fsType === 'xfs') sh('mkfs.xfs', ['-q', '-m', 'reflink=1', device]);
-    else if (fsType === 'btrfs') sh('mkfs.btrfs', ['-q', device]);
-    else sh('mkfs.ext4', ['-q', '-F', device]);
+    if (fsType === 'xfs') sh('mkfs.xfs', ['-q', '-m', 'reflink=1', ...compat, device]);
+    else if (fsType === 'btrfs') sh('mkfs.btrfs', ['-q', ...compat, device]);
+    else sh('mkfs.ext4', ['-q', '-F', ...compat, device]);
     sh('mount', [device, mountPoint]);
   } catch (err) {
     sh('losetup', ['-d', device]);

@@ -162,7 +162,7 @@ for version in "${kernels[@]}"; do
   say "booting $(cat "$boot/release-$version") (${accel[*]})"
   log=$work/guest-$version.log
   t0=$(date +%s)
-  timeout "${LOOPVOL_KERNELS_TIMEOUT:-60m}" qemu-system-x86_64 "${accel[@]}" -smp 2 -m 6G -nographic -no-reboot \
+  timeout "${LOOPVOL_KERNELS_TIMEOUT:-60m}" qemu-system-x86_64 "${accel[@]}" -machine q35 -smp 2 -m 6G -nographic -no-reboot \
     -kernel "$boot/vmlinuz-$version" -initrd "$boot/initrd.img-$version" \
     -append "root=/dev/vda rw console=ttyS0 panic=-1 quiet init=/sbin/loopvol-guest-init loopvol.slow=$slow" \
     -drive "file=$rootimg,if=virtio,format=raw,snapshot=on" \
