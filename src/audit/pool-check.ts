@@ -126,7 +126,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
         subject: `${v.dir}/disk.img`,
         volumeId: v.id,
         detail: `the image of volume ${v.id} holds ${v.image.sizeBytes} bytes, its record says ${recorded.capacityBytes}: an expansion was cut short between the two`,
-        action: `A ControllerExpandVolume to at least ${v.image.sizeBytes} bytes records it (the CO retries the one cut short); until then its snapshots hold the larger size.`,
+        action: `A ControllerExpandVolume to at least ${v.image.sizeBytes} bytes records it: the CO retries an expansion that was cut short; otherwise resize its PVC to that size. Until then its snapshots and clones hold the larger size.`,
       });
     }
     if (v.fencesDamaged) {

@@ -357,7 +357,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
       locks: (v) => [v.id],
       run: async ({ id, mutable, raw }, ctx) => {
         if (!isVolumeId(id) || !(await volumes.get(id))) throw notFound(`Volume ${id} does not exist.`);
-        await volumes.update(id, 'ControllerModifyVolume', async (meta) => {
+        await volumes.update(id, 'ControllerModifyVolume', async (meta, lock) => {
           const allocation = mutable.allocation ?? meta.allocation;
           if (allocation === 'preallocate' && meta.allocation !== 'preallocate') {
             // Admitted as a preallocated CreateVolume is: against the space the other volumes' promises
@@ -370,7 +370,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
               promised: needed, // its own promise, which these blocks replace
             });
             try {
-              await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes);
+              await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes, lock.signal);
             } finally {
               settle(undefined);
             }

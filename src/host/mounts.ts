@@ -91,7 +91,7 @@ export async function unmountAll(
     } catch (err) {
       if (err instanceof CommandError && /target is busy|device is busy/i.test(err.stderr)) {
         throw conflict(
-          `${mountPoint} is busy: a process on this node still uses it (a working directory or an open file there); it stays mounted until that ends.`,
+          `${mountPoint} is busy: a process on this node still uses it (a working directory or an open file there), or something is mounted inside it; it stays mounted until that ends.`,
           err,
         );
       }

@@ -106,7 +106,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   if (isBlock && staged.autoclear) {
     // An unstage asked while a process held the device: it goes when that process closes it.
     throw conflict(
-      `Volume ${r.id} is being detached from ${staged.path} (a process on this node still holds it open); stage it again once it is gone.`,
+      `Volume ${r.id} is being detached from ${staged.path} (a process or another loop device on this node still holds it open); stage it again once it is gone.`,
     );
   }
   const published = await heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly);

@@ -98,5 +98,5 @@ export async function alreadyStaged(
 /** The refusal to stage a volume whose device a process holds open while it is being detached. */
 export const stillOpen = (id: string, device: string): Error =>
   conflict(
-    `Volume ${id} is still attached at ${device}, which a process on this node holds open; it detaches when closed, and the volume cannot be staged until then.`,
+    `Volume ${id} is still attached at ${device}, which a process or another loop device on this node holds open (fuser -v ${device}; losetup -j ${device}); it detaches when closed, and the volume cannot be staged until then.`,
   );

@@ -248,13 +248,29 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       codes = {
         unstage: await codeOf(unstage(a.id, p('held-a-st'))),
         restage: await codeOf(stage(d, a.id, p('held-a-st'), cap)),
+        publish: await codeOf(publish(d, a.id, p('held-a-st'), p('pods', 'held-0', 'dev'), cap)),
       };
+      // A device of the image nobody staged (no lease names it), also being detached under its holder.
+      const spare = sh('losetup', ['--find', '--show', b.image]).trim();
+      const spareHolder = spawn('sh', ['-c', `exec 3<>${spare}; echo open; exec sleep 300`], {
+        stdio: ['ignore', 'pipe', 'inherit'],
+      });
+      const spareGone = new Promise((resolve) => spareHolder.once('exit', resolve));
+      try {
+        await new Promise((resolve) => spareHolder.stdout.once('data', resolve));
+        sh('losetup', ['--detach', spare]);
+        codes.spare = await codeOf(stage(d, b.id, p('held-b-st'), cap));
+      } finally {
+        spareHolder.kill('SIGKILL');
+        await spareGone;
+      }
     } finally {
       holder.kill('SIGKILL');
       await gone;
     }
-    for (let i = 0; i < 100 && sh('losetup', ['--associated', a.image]).trim() !== ''; i++)
-      await new Promise((r) => setTimeout(r, 20));
+    const attached = () =>
+      sh('losetup', ['--associated', a.image]) + sh('losetup', ['--associated', b.image]);
+    for (let i = 0; i < 100 && attached().trim() !== ''; i++) await new Promise((r) => setTimeout(r, 20));
     // Once the old holder is gone, each volume is staged on a device of its own image.
     const heads: Record<string, string> = {};
     for (const [n, v] of [
@@ -284,6 +300,8 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       codes: {
         unstage: 'FAILED_PRECONDITION',
         restage: 'FAILED_PRECONDITION',
+        publish: 'FAILED_PRECONDITION',
+        spare: 'FAILED_PRECONDITION',
         'stage-a': 'OK',
         'stage-b': 'OK',
       },

@@ -12,7 +12,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { isRoot, leaksUnder, MiB, sha256, SLOW, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -395,7 +395,10 @@ describe.skipIf(!isRoot())('a preallocated restore that outlasts its caller', ()
   it('is finished and kept once its copy is done, so the retry gets it (it was thrown away after every copy)', async () => {
     const base = await env.dir('prealloc-late');
     // The pause stands for a copy longer than the caller's deadline (the provisioner's is 10 s).
-    const d = await env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: 'create-volume:filled:1500' } });
+    const d = await env.driver({
+      dir: base,
+      env: { LOOPVOL_PAUSEPOINT: `create-volume:filled:${1500 * SLOW}` },
+    });
     const cap = blockCap();
     const src = await createVolume(d, `late-src-${RUN}`, cap, 16 * MiB, null);
     const snap = await d.clients.controller.CreateSnapshot({
@@ -412,14 +415,14 @@ describe.skipIf(!isRoot())('a preallocated restore that outlasts its caller', ()
             volume_capabilities: [cap],
             volume_content_source: { snapshot: { snapshot_id: snap.snapshot?.snapshot_id } },
           },
-          { timeoutMs: 700 },
+          { timeoutMs: 700 * SLOW },
         ),
       );
     const first = await restore();
     // Retried as the provisioner does, with the same deadline, until an answer that is not "busy".
     const retries: string[] = [];
     for (let i = 0; i < 20; i++) {
-      await new Promise((r) => setTimeout(r, 300));
+      await new Promise((r) => setTimeout(r, 300 * SLOW));
       retries.push(await restore());
       if (retries.at(-1) !== 'ABORTED') break;
     }

@@ -117,15 +117,24 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     const image = path.join(d.poolDir, 'volumes', vol.id, 'disk.img');
     const left = sh('losetup', ['--find', '--show', '--direct-io=on', image]).trim();
     const before = sh('blockdev', ['--getss', left]).trim();
-    await stage(d, vol.id, st, cap);
-    await publish(d, vol.id, st, tg, cap);
-    const device = sh('findmnt', ['--noheadings', '--output', 'SOURCE', '--mountpoint', st]).trim();
-    const after = {
-      device,
-      sectors: sh('blockdev', ['--getss', device]).trim(),
-      sum: await sha256(path.join(tg, 'data.bin')),
-    };
-    await teardown(d, vol.id, st, tg);
+    let after: object;
+    try {
+      await stage(d, vol.id, st, cap);
+      await publish(d, vol.id, st, tg, cap);
+      const device = sh('findmnt', ['--noheadings', '--output', 'SOURCE', '--mountpoint', st]).trim();
+      after = {
+        device,
+        sectors: sh('blockdev', ['--getss', device]).trim(),
+        sum: await sha256(path.join(tg, 'data.bin')),
+      };
+      await teardown(d, vol.id, st, tg);
+    } finally {
+      // The device this test attached, when the driver did not take it over and detach it.
+      if (sh('losetup', ['--list', '--noheadings', '--output', 'NAME']).includes(left)) {
+        const still = sh('losetup', ['--noheadings', '--output', 'BACK-FILE', left]).trim();
+        if (still.includes(vol.id)) sh('losetup', ['--detach', left]);
+      }
+    }
     const stillAttached = sh('losetup', ['--list', '--noheadings', '--output', 'NAME']).includes(left);
     // This kernel gives an image that shares blocks 4096-byte sectors with direct I/O (6.18 does, 6.1
     // does not): the case at hand. Where it gives 512, the leftover is reused as it is.
