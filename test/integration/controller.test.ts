@@ -22,8 +22,18 @@ const driver = (args: DriverArgs): Promise<DriverProcess> => env.driver(args);
 /** A process of `name` whose parent is `parent`, found within `ms`; its pid. */
 async function childNamed(parent: number, name: string, ms: number): Promise<number> {
   const until = Date.now() + ms;
+  // The parent's children as the kernel lists them (a look at every process of a busy machine can take
+  // longer than a short copy), or every process where the kernel does not list them.
+  const children = async (): Promise<string[]> => {
+    const tids = await fs.readdir(`/proc/${parent}/task`).catch(() => []);
+    const lists = await Promise.all(
+      tids.map((t) => fs.readFile(`/proc/${parent}/task/${t}/children`, 'utf8').catch(() => undefined)),
+    );
+    if (lists.length > 0 && lists.every((l) => l !== undefined)) return lists.join(' ').split(/\s+/);
+    return fs.readdir('/proc');
+  };
   while (Date.now() < until) {
-    for (const pid of await fs.readdir('/proc')) {
+    for (const pid of await children()) {
       if (!/^\d+$/.test(pid)) continue;
       const status = await fs.readFile(`/proc/${pid}/status`, 'utf8').catch(() => '');
       if (
