@@ -45,15 +45,9 @@ for tool in debootstrap tar sha256sum; do
   fi
 done
 
-work=$(mktemp -d /var/tmp/loopvol-standin.XXXXXX)
-cleanup() {
-  # debootstrap mounts proc and sys in the target while it works; never leave them behind.
-  for m in $(awk -v t="$work/" 'index($5, t) == 1 { print $5 }' /proc/self/mountinfo | sort -r); do
-    umount "$m" 2>/dev/null || umount -l "$m"
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=../helpers/workdir.sh
+. "$here/../helpers/workdir.sh"
+make_work loopvol-standin
 rootfs=$work/rootfs
 started=$(date +%s)
 

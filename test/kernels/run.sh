@@ -54,15 +54,9 @@ done
 
 suite_of() { case "$1" in 5.10) echo bullseye ;; 6.1) echo bookworm ;; esac; }
 
-work=$(mktemp -d /var/tmp/loopvol-kernels.XXXXXX)
-cleanup() {
-  # debootstrap and the chroot steps mount proc and sys in the target; never leave them behind.
-  for m in $(awk -v t="$work/" 'index($5, t) == 1 { print $5 }' /proc/self/mountinfo | sort -r); do
-    umount "$m" 2>/dev/null || umount -l "$m"
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=../helpers/workdir.sh
+. "$here/../helpers/workdir.sh"
+make_work loopvol-kernels
 mkdir -p "$cache"
 
 
