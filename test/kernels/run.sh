@@ -147,7 +147,10 @@ say "the project, built"
 (cd "$repo" && npm run build >/dev/null)
 proj=$work/project
 mkdir -p "$proj"
-tar -C "$repo" --exclude=./.git --exclude=./sanity/out -c . | tar -C "$proj" -x
+tar -C "$repo" --exclude=./.git --exclude=./sanity/out --exclude=./node_modules -c . | tar -C "$proj" -x
+# node_modules itself, also where it is a link to another checkout's.
+mkdir -p "$proj/node_modules"
+tar -C "$(readlink -f "$repo/node_modules")" -c . | tar -C "$proj/node_modules" -x
 printf '%s\n' "${vitest_args[@]}" >"$proj/test/kernels/.vitest-args"
 mke2fs -q -t ext4 -d "$proj" "$work/project.img" 4G >/dev/null
 
@@ -161,8 +164,8 @@ for version in "${kernels[@]}"; do
     -append "root=/dev/vda rw console=ttyS0 panic=-1 quiet init=/sbin/loopvol-guest-init loopvol.slow=$slow" \
     -drive "file=$rootimg,if=virtio,format=raw,snapshot=on" \
     -drive "file=$work/project.img,if=virtio,format=raw" </dev/null | tee "$log" | sed -u "s/^/[$version] /" || true
-  result=$(grep -a -o 'loopvol-guest: exit=[0-9]*' "$log" | tail -1 | cut -d= -f2)
-  counts=$(grep -a -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped' "$log" | tail -1 | tr -d '\r')
+  result=$(grep -a -o 'loopvol-guest: exit=[0-9]*' "$log" | tail -1 | cut -d= -f2 || true)
+  counts=$(grep -a -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped' "$log" | tail -1 | tr -d '\r' || true)
   say "kernel $version: ${counts:-no counts} (exit ${result:-none}) in $(($(date +%s) - t0)) s"
   [ "${result:-1}" = 0 ] || status=1
 done
