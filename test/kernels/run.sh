@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The driver's integration and end-to-end suites on node kernels older than this machine's, booted
-# for real under KVM: Debian bullseye's 5.10 (before orphan_file, nrext64 and diskseq events; Amazon
+# for real in a qemu guest: Debian bullseye's 5.10 (before orphan_file, nrext64 and diskseq events; Amazon
 # Linux 2, Ubuntu 20.04's HWE) and bookworm's 6.1 (diskseq shown but not changed by an attach).
 # The guest's userland is the image's: Debian trixie's util-linux, e2fsprogs, xfsprogs and
 # btrfs-progs, and the Node.js of the Dockerfile's base. That is what a node runs: new tools in the
@@ -9,8 +9,8 @@
 #   test/kernels/run.sh [5.10|6.1 ...] [-- vitest arguments]   (default: both kernels, the
 #                                                               integration and end-to-end suites)
 #
-# Needs root, /dev/kvm, qemu-system-x86, debootstrap and Debian's mirror; exits 3, saying why, when
-# this machine cannot boot a guest. The guest's root filesystem and kernels are cached under
+# Needs root, qemu-system-x86, debootstrap and Debian's mirror; KVM where it boots ordinary kernels,
+# emulation elsewhere (see below); exits 3, saying why, when this machine cannot boot a guest. The guest's root filesystem and kernels are cached under
 # $LOOPVOL_KERNELS_CACHE (default /var/cache/loopvol-kernels), by a key of what they are made from;
 # the guest never writes to them (qemu's snapshot mode). The project is copied in on a second disk.
 set -euo pipefail
