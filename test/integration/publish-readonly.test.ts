@@ -87,6 +87,12 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
         return (await fs.readFile(`/sys/block/${dev}/ro`, 'utf8')).trim() === '1';
       },
       loops: async () => (await leaksUnder(path.join(d.poolDir, 'volumes', id))).loops,
+      /** NodeUnstageVolume, no loop device of it left here, then ControllerUnpublishVolume. */
+      release: async () => {
+        await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+        expect((await leaksUnder(path.join(d.poolDir, 'volumes', id))).loops).toEqual([]);
+        await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+      },
       /** A pod's write through target `n`: the error code it ends with, or 'written'. */
       write: async (n: number): Promise<string> => {
         const file = isBlock ? target(n) : path.join(target(n), 'pod-wrote-this');
@@ -131,9 +137,7 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
       expect(await codeOf(v.publish(1, ctx, false))).toBe('OK');
       expect(await codeOf(v.publish(1, {}, true))).toBe('OK');
       await v.unpublish(1);
-      await v.unstage();
-      expect(await v.loops()).toEqual([]);
-      await v.controllerUnpublish();
+      await v.release();
     },
   );
 
@@ -148,9 +152,7 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
     expect(await codeOf(v.stage({}))).toBe('OK');
     expect(await codeOf(v.publish(1, ctx, false))).toBe('OK');
     await v.unpublish(1);
-    await v.unstage();
-    expect(await v.loops()).toEqual([]);
-    await v.controllerUnpublish();
+    await v.release();
   });
 
   it('answers a block staging that does not match how the volume is published by the spec', async () => {
@@ -176,9 +178,7 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
     await v.stage(ro);
     expect(await v.deviceReadOnly()).toBe(true);
     expect(await codeOf(v.stage(rw))).toBe('ALREADY_EXISTS');
-    await v.unstage();
-    expect(await v.loops()).toEqual([]);
-    await v.controllerUnpublish();
+    await v.release();
   });
 
   it('publishes read-only from a filesystem staging made before the read-only publication', async () => {
@@ -190,8 +190,6 @@ describe.skipIf(!isRoot())('a volume published read-only (ControllerPublishVolum
     await v.publish(1, ro);
     expect(await v.write(1)).toBe('EROFS');
     await v.unpublish(1);
-    await v.unstage();
-    expect(await v.loops()).toEqual([]);
-    await v.controllerUnpublish();
+    await v.release();
   });
 });
