@@ -370,7 +370,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
               promised: needed, // its own promise, which these blocks replace
             });
             try {
-              await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes, lock.signal);
+              await preallocate(ctx, volumes.imagePath(id), 0, meta.capacityBytes, lock);
             } finally {
               settle(undefined);
             }

@@ -304,12 +304,14 @@ export function createVolumeMethod(
         }
         // A preallocated volume owns its blocks: a reflinked copy's are shared with its source until
         // written, so they are made its own (outside the source's lock and freeze) before the rest is reserved.
-        if (preallocated && copied.shared) await ownBlocks(ctx, image, lock.signal);
+        if (preallocated && copied.shared) await ownBlocks(ctx, image, lock);
         // A sparse one keeps sharing them: each may need a block of its own when it is rewritten.
         const sharedBytes = copied.shared && !preallocated ? await allocatedBytes(image) : undefined;
         await pausepoint('create-volume:filled');
-        await growImage(ctx, image, size, false);
-        if (preallocated) await preallocate(ctx, image, 0, size, lock.signal);
+        // A process that lost the lock meanwhile (stalled past its lease) must not set the length of
+        // what is now another's image: the lock is checked, by the clock too, right before.
+        await growImage(ctx, image, size, false, lock);
+        if (preallocated) await preallocate(ctx, image, 0, size, lock);
         return {
           initialized: sourceInitialized,
           sectorSize: copied.sectorSize,

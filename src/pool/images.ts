@@ -90,17 +90,20 @@ export async function createSparseImage(file: string, size: number): Promise<voi
 
 /**
  * Reserves the blocks of [offset, offset+length) so writes there cannot fail for lack of space; stopped
- * by `signal` (a lock that was lost), not by the caller.
+ * when `lock` (the volume's) is lost, not by the caller, and not begun once it is.
  */
 export async function preallocate(
   x: Exec,
   file: string,
   offset: number,
   length: number,
-  signal?: AbortSignal,
+  lock?: HeldLock,
 ): Promise<void> {
   if (length <= 0) return;
-  await withImage(file, true, (h) => reserveBlocks(x, h, offset, length, signal));
+  await withImage(file, true, (h) => {
+    lock?.assertHeld();
+    return reserveBlocks(x, h, offset, length, lock?.signal);
+  });
 }
 
 /**
@@ -163,7 +166,8 @@ export async function growImage(
  * is rewritten by a byte copy beside it (every block written, none shared), synced and renamed over it.
  * Only for a file nobody else uses yet (a new volume's image before it is ready).
  */
-export async function ownBlocks(x: Exec, file: string, signal?: AbortSignal): Promise<void> {
+export async function ownBlocks(x: Exec, file: string, lock?: HeldLock): Promise<void> {
+  const signal = lock?.signal;
   const own = `${file}.own`;
   await fs.rm(own, { force: true });
   try {
@@ -178,9 +182,10 @@ export async function ownBlocks(x: Exec, file: string, signal?: AbortSignal): Pr
         });
       }),
     );
+    lock?.assertHeld(); // the names are another's once the lock is lost
     await fs.rename(own, file);
   } finally {
-    await fs.rm(own, { force: true });
+    if (!signal?.aborted) await fs.rm(own, { force: true });
   }
 }
 

@@ -150,6 +150,7 @@ export class VolumeStore extends VolumeFences {
         const { initialized, sharedBytes, sectorSize } = await fill(partial, lock);
         failpoint('create-volume:image-written');
         // Its record of shared blocks (on a pool that reflinks) exists before its image appears.
+        lock.assertHeld();
         const recorded = await this.capacity.markShared(id, sharedBytes ?? 0);
         lock.assertHeld(); // the image's name is the new holder's once the lock is lost
         await fs.rename(partial, this.layout.volumeImage(id));

@@ -18,6 +18,7 @@ import type { CreateVolumeGroupSnapshotResponse } from '../../src/gen/csi/v1/Cre
 import type { VolumeCapability__Output } from '../../src/gen/csi/v1/VolumeCapability.js';
 import type { VolumeContentSource__Output } from '../../src/gen/csi/v1/VolumeContentSource.js';
 import { Capacity } from '../../src/pool/capacity.js';
+import type { LockOptions } from '../../src/pool/lock.js';
 import { NodeRegistry } from '../../src/pool/nodes.js';
 import { Pool } from '../../src/pool/pool.js';
 import { QuiesceBoard } from '../../src/pool/quiesce.js';
@@ -64,11 +65,17 @@ export const writerLease = (node: string, accessType: 'mount' | 'block' = 'mount
 /**
  * A controller on a new pool in a temporary directory under `under` (default: the system's), which
  * promises up to `overcommitRatio` times its free space (default 100: tests that do not look at space).
+ * `dir`: a second controller on another world's pool instead; `lock`: its lock lease and renewals.
  */
-export async function controllerWorld({ under = os.tmpdir(), overcommitRatio = 100 } = {}) {
-  const dir = await fs.mkdtemp(path.join(under, 'loopvol-controller-'));
-  dirs.push(dir);
-  const pool = await Pool.open(dir, 'test', log);
+export async function controllerWorld({
+  under = os.tmpdir(),
+  overcommitRatio = 100,
+  dir: shared = undefined as string | undefined,
+  lock = undefined as LockOptions | undefined,
+} = {}) {
+  const dir = shared ?? (await fs.mkdtemp(path.join(under, 'loopvol-controller-')));
+  if (!shared) dirs.push(dir);
+  const pool = await Pool.open(dir, 'test', log, lock ? { lock } : {});
   const nodes = new NodeRegistry(pool.layout);
   const capacity = Capacity.of(pool, overcommitRatio);
   const volumes = new VolumeStore(pool, capacity, nodes, log);
