@@ -14,6 +14,7 @@ import type { Logger } from 'pino';
 import { type Config, servesController, servesNode } from './config.js';
 import { controllerService } from './csi/controller.js';
 import { groupService } from './csi/group.js';
+import { freeingSpaceIn } from './csi/space.js';
 import { identityService } from './csi/identity.js';
 import { nodeService, POOL_ID_KEY } from './csi/node.js';
 import { snapshotMetadataRefusing, snapshotMetadataService } from './csi/snapshot-metadata.js';
@@ -38,6 +39,7 @@ import { startRecordingSharing } from './pool/shared-records.js';
 import { NodeRegistry } from './pool/nodes.js';
 import { Pool, PoolMissing } from './pool/pool.js';
 import { QuiesceBoard } from './pool/quiesce.js';
+import { SpaceReserve } from './pool/reserve.js';
 import { SnapshotMetadataReader } from './pool/snapshot-metadata.js';
 import { SnapshotStore } from './pool/snapshots.js';
 import { VolumeStore } from './pool/volumes.js';
@@ -104,6 +106,9 @@ async function serve(
     agent: undefined,
     guard: undefined,
   };
+  // Written before serving, so that a pool's free space stays as it is from the first call on.
+  const reserve = new SpaceReserve(pool.root, log);
+  await reserve.refill();
   const quarantined = await pool.quarantined();
   if (quarantined.length > 0) {
     log.warn(
@@ -142,8 +147,12 @@ async function serve(
     );
     out.discarding = startDiscarding(pool, { volumes, snapshots }, log);
     startRecordingSharing(pool, capacity, { volumes, snapshots }, log);
-    out.controller = controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere });
-    out.group = groupService({ ...copy, snapshots });
+    out.controller = freeingSpaceIn(
+      controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere }),
+      ['DeleteVolume', 'DeleteSnapshot', 'ControllerUnpublishVolume'],
+      reserve,
+    );
+    out.group = freeingSpaceIn(groupService({ ...copy, snapshots }), ['DeleteVolumeGroupSnapshot'], reserve);
     out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });
   }
   if (servesNode(config)) {
@@ -176,7 +185,7 @@ async function serve(
     await thawLeftovers(nodeDeps, startup, out.guard);
     out.agent.run();
     out.guard.run();
-    out.node = nodeService(nodeDeps);
+    out.node = freeingSpaceIn(nodeService(nodeDeps), ['NodeUnstageVolume', 'NodeUnpublishVolume'], reserve);
   }
   return out;
 }

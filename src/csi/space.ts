@@ -1,0 +1,53 @@
+/**
+ * The calls that free space (delete, unpublish, unstage) get the pool's space reserve back when they
+ * fail for lack of it (pool/reserve.ts), and run once more.
+ */
+import { status as Code } from '@grpc/grpc-js';
+import type { SpaceReserve } from '../pool/reserve.js';
+import type { Method, Methods } from '../server/call.js';
+import { toStatus } from '../server/status.js';
+
+/** What answers RESOURCE_EXHAUSTED: the pool's filesystem (or a tool writing to it) out of space. */
+const outOfSpace = (err: unknown): boolean => toStatus(err).code === Code.RESOURCE_EXHAUSTED;
+
+/**
+ * `m`, run once more after giving the reserve back when it failed for lack of space; after a success,
+ * the reserve is written again if it is not whole and the pool has room (one stat when it is whole).
+ */
+export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserve): Method<Req, Res> {
+  return {
+    quiet: m.quiet,
+    prepare(request) {
+      const p = m.prepare(request);
+      return {
+        locks: p.locks,
+        run: async (ctx) => {
+          let res: Res;
+          try {
+            res = await p.run(ctx);
+          } catch (err) {
+            if (!outOfSpace(err) || !(await reserve.giveBack().catch(() => false))) throw err;
+            res = await p.run(ctx);
+          }
+          // Given back here or by another process on the pool: whole again once there is room.
+          void reserve.refill();
+          return res;
+        },
+      };
+    },
+  };
+}
+
+/** `table` with its methods named in `names` wrapped by freeingSpace. */
+export function freeingSpaceIn<H>(
+  table: Methods<H>,
+  names: readonly (keyof Methods<H>)[],
+  reserve: SpaceReserve,
+): Methods<H> {
+  const out: Record<PropertyKey, unknown> = { ...table };
+  for (const name of names) {
+    const m = out[name] as Method<unknown, unknown> | undefined;
+    if (m) out[name] = freeingSpace(m, reserve);
+  }
+  return out as Methods<H>;
+}
