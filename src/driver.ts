@@ -2,9 +2,7 @@
  * Wires one driver process: the pool, the services its --mode serves, the gRPC server on the endpoint,
  * and the optional metrics server; and takes them down again.
  *
- * With --create-pool=false a process may start before its pool exists (a shared filesystem not yet
- * mounted): it serves Identity, with Probe saying what is missing, answers every other call with
- * FAILED_PRECONDITION, looks for the pool every few seconds, and serves it as soon as it appears.
+ * A process whose pool is not there or does not answer serves Identity meanwhile (pool-open.ts).
  */
 import type http from 'node:http';
 import fs from 'node:fs/promises';
@@ -37,7 +35,8 @@ import { Capacity } from './pool/capacity.js';
 import { startDiscarding } from './pool/leftovers.js';
 import { startRecordingSharing } from './pool/shared-records.js';
 import { NodeRegistry } from './pool/nodes.js';
-import { Pool, PoolMissing } from './pool/pool.js';
+import type { Pool } from './pool/pool.js';
+import { openPool } from './pool-open.js';
 import { QuiesceBoard } from './pool/quiesce.js';
 import { SpaceReserve } from './pool/reserve.js';
 import { SnapshotMetadataReader } from './pool/snapshot-metadata.js';
@@ -58,8 +57,6 @@ export function startupContext(log: Logger, runner: Runner): Exec {
 
 /** How long a controller waits for a node to answer a request to freeze a volume. */
 const FREEZE_WAIT_MS = 10_000;
-/** How often a process without its pool looks for it. */
-const POOL_POLL_MS = 2_000;
 
 export interface DriverOptions {
   runner?: Runner;
@@ -218,16 +215,24 @@ export async function startDriver(
   const runner = options.runner ?? new ExecRunner();
   const openOptions = { create: config.createPool, lock: role ? { role } : {}, runner };
   const inflight = new InFlight();
-  let state: PoolState;
-  try {
-    state = await Pool.open(config.poolDir, config.poolName, log, openOptions);
-  } catch (err) {
-    if (!(err instanceof PoolMissing)) throw err;
-    state = { missing: err.message.replace(/\.$/, '') };
-    log.warn({ pool: config.poolDir }, err.message);
+  let state: PoolState = { missing: 'The pool is not open yet' };
+  let serving: Serving | undefined;
+  const opening = await openPool(config.poolDir, config.poolName, log, openOptions, {
+    opened: async (pool, how) => {
+      // Ready only once every service is there to serve it.
+      serving = await serve(config, pool, log, runner, inflight);
+      state = pool;
+      report(pool);
+      log.info({ pool: pool.root, id: pool.id }, how);
+    },
+    missing: (why) => {
+      state = { missing: why };
+    },
+  });
+  if (opening.pool) {
+    state = opening.pool;
+    serving = await serve(config, opening.pool, log, runner, inflight);
   }
-  let serving: Serving | undefined =
-    state instanceof Pool ? await serve(config, state, log, runner, inflight) : undefined;
 
   const capacityProbe = servesController(config)
     ? () =>
@@ -334,30 +339,6 @@ export async function startDriver(
     );
   }
 
-  // Without its pool, look for it until it appears; then serve it, without a restart.
-  let stopped = false;
-  let looking: Promise<void> | undefined;
-  const lookForPool = (): void => {
-    const timer = setTimeout(() => {
-      looking = (async () => {
-        if (stopped || serving) return;
-        try {
-          const pool = await Pool.open(config.poolDir, config.poolName, log, openOptions);
-          // Ready only once every service is there to serve it.
-          serving = await serve(config, pool, log, runner, inflight);
-          state = pool;
-          report(pool);
-          log.info({ pool: pool.root, id: pool.id }, 'the pool appeared; serving it');
-        } catch (err) {
-          if (!(err instanceof PoolMissing)) log.warn({ err }, 'the pool is there but cannot be opened yet');
-          lookForPool();
-        }
-      })();
-    }, POOL_POLL_MS);
-    timer.unref();
-  };
-  if (!serving) lookForPool();
-
   await listen(server, config.endpoint, log);
   let metricsServer: http.Server | undefined;
   if (metrics && config.metricsAddress) {
@@ -378,7 +359,6 @@ export async function startDriver(
   return {
     inFlightCalls: () => active,
     async stop() {
-      stopped = true;
       reporter?.stop();
       serving?.discarding?.stop();
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
@@ -389,7 +369,7 @@ export async function startDriver(
       for (const until = Date.now() + CLEANUP_MS; active > 0 && Date.now() < until;)
         await new Promise((r) => setTimeout(r, 50));
       if (active > 0) log.warn({ inFlight: active }, 'calls were still undoing their work at exit');
-      await looking;
+      await opening.stop();
       await serving?.agent?.stop();
       await serving?.guard?.stop();
       if (metrics) setTelemetry(undefined);

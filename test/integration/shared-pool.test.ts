@@ -174,6 +174,40 @@ describe.skipIf(skip)('a pool on a network filesystem (sshfs)', () => {
     await m.unmount();
   });
 
+  it('starts and answers Probe while its pool does not answer, and serves it once it does', async () => {
+    const {
+      base,
+      mounts: [m],
+    } = await shared('hung-start', ['node']);
+    if (!m) throw new Error('no mount');
+    await (await nodePlugin(base, m, 'node-hs')).stop(); // the pool exists; its server then hangs
+    m.hang();
+    let d: DriverProcess | undefined;
+    try {
+      // Before: the process awaited the pool before listening, and said nothing, for as long as it hung.
+      d = await nodePlugin(base, m, 'node-hs');
+      const e = await errorOf(d.clients.identity.Probe({}, { timeoutMs: 3000 }));
+      expect(e.code).toBe('FAILED_PRECONDITION');
+      expect(e.details).toMatch(/is not open after 2 s/);
+      expect(d.logs().some((l) => l.includes('is not open after 2 s'))).toBe(true);
+    } finally {
+      m.resume();
+    }
+    let ready = false;
+    for (const deadline = Date.now() + 15_000; !ready && Date.now() < deadline;) {
+      ready = await d.clients.identity.Probe({}, { timeoutMs: 3000 }).then(
+        (r) => r.ready?.value === true,
+        () => false,
+      );
+      if (!ready) await new Promise((r) => setTimeout(r, 200));
+    }
+    expect(ready).toBe(true);
+    expect((await d.clients.node.NodeGetInfo({}, { timeoutMs: 5000 })).node_id).toBe('node-hs');
+    expect(d.logs().some((l) => l.includes('the pool is open; serving it'))).toBe(true);
+    await d.stop();
+    await m.unmount();
+  });
+
   // With every client cache off, as the tests assume elsewhere; and with sshfs's own caching on, where
   // a directory listing can be 20 s old: the fences (leases, attachments) must not depend on one.
   describe.each(['off', 'sshfs-defaults'] as const)(
