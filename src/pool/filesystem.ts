@@ -24,14 +24,27 @@ export class PoolFilesystem {
   /** The speed a recent unfinished copy allows at most, and until when it is remembered. */
   private slow: { rate: number; until: number } | undefined;
 
-  constructor(private readonly layout: PoolLayout) {}
+  /**
+   * `present` throws unless the pool is still there: a probe that finds no trash/ (a shared filesystem
+   * unmounted under the driver) then says that, not "no such file".
+   */
+  constructor(
+    private readonly layout: PoolLayout,
+    private readonly present: () => Promise<void> = () => Promise.resolve(),
+  ) {}
+
+  /** `err`, or why the pool is not there when that is why the probe found no file. */
+  private async whyMissing(err: unknown): Promise<never> {
+    if (errnoCode(err) === 'ENOENT') await this.present();
+    throw err;
+  }
 
   /** Whether the pool's filesystem can clone files by reflink (probed once, with a file of its own). */
   canReflink(): Promise<boolean> {
     this.reflink ??= (async () => {
       const probe = path.join(this.layout.trashDir, `.reflink-probe-${randomBytes(6).toString('hex')}`);
       try {
-        await fs.writeFile(probe, 'reflink probe\n');
+        await fs.writeFile(probe, 'reflink probe\n').catch((err: unknown) => this.whyMissing(err));
         await fs.copyFile(
           probe,
           `${probe}.clone`,
@@ -60,7 +73,7 @@ export class PoolFilesystem {
   maxFileSize(): Promise<number> {
     this.largest ??= (async () => {
       const probe = path.join(this.layout.trashDir, `.size-probe-${randomBytes(6).toString('hex')}`);
-      const handle = await fs.open(probe, 'wx', 0o600);
+      const handle = await fs.open(probe, 'wx', 0o600).catch((err: unknown) => this.whyMissing(err));
       const fits = async (n: number): Promise<boolean> => {
         try {
           await handle.truncate(n);

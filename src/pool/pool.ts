@@ -138,7 +138,7 @@ export class Pool {
     this.removeTree = x ? (p) => removeTreeSafely(x, p) : (p) => fs.rm(p, { recursive: true, force: true });
     this.layout = new PoolLayout(root);
     this.locks = new LockManager(this.layout.locksDir, log, lockOptions);
-    this.fs = new PoolFilesystem(this.layout);
+    this.fs = new PoolFilesystem(this.layout, () => this.assertPresent());
   }
 
   /**

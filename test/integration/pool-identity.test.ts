@@ -167,6 +167,31 @@ describe.skipIf(!isRoot())('a pool that disappears under a running controller', 
   });
 });
 
+describe.skipIf(!isRoot())('a pool that disappears before a controller made anything', () => {
+  it('answers a first CreateVolume UNAVAILABLE, not INTERNAL, and makes nothing', async () => {
+    const base = await env.dir('vanish-first');
+    const d = await env.driver({ dir: base });
+    // Its first CreateVolume probes the pool's filesystem (in trash/), which is not there now.
+    execFileSync('mount', ['-t', 'tmpfs', 'gone', d.poolDir]);
+    try {
+      const e = await errorOf(
+        d.clients.controller.CreateVolume({
+          name: 'pvc-first',
+          capacity_range: { required_bytes: String(8 * MiB) },
+          volume_capabilities: [mountCap('ext4')],
+        }),
+      );
+      expect({ code: e.code, details: e.details }).toEqual({
+        code: 'UNAVAILABLE',
+        details: expect.stringMatching(/is gone \(no pool\.json\)/) as string,
+      });
+      expect(await fs.readdir(d.poolDir)).toEqual([]);
+    } finally {
+      execFileSync('umount', [d.poolDir]);
+    }
+  });
+});
+
 const fencesOf = async (poolDir: string, id: string): Promise<{ attachments: object; leases: object }> =>
   JSON.parse(await fs.readFile(path.join(poolDir, 'volumes', id, 'fences.json'), 'utf8')) as {
     attachments: object;
