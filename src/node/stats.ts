@@ -14,6 +14,7 @@ import {
   isDeviceBind,
   isBackedBy,
   isLoopMount,
+  leaseView,
   loopOfMount,
   lookAtHost,
   mustGetVolume,
@@ -37,7 +38,9 @@ export async function volumeStats(
   if (!path.isAbsolute(r.volumePath)) throw notHere;
   const p = await callerPath(d, r.volumePath, 'volume_path');
   if ((await d.host.pathKind(p)) === 'absent') throw notHere;
-  const on = await lookAtHost(d, x, r.id);
+  // A device this node's lease records at its staging path is the volume's, even when the image's
+  // identity no longer shows it (the pool was mounted again here), as stage and publish take it.
+  const { on } = await leaseView(d, await lookAtHost(d, x, r.id));
   const top = on.mounts.filter((m) => m.mountPoint === p).at(-1);
   const imagePresent = on.imageId !== undefined;
   if (!top) {

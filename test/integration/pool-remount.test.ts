@@ -187,6 +187,12 @@ describe.skipIf(skip)('a shared pool mounted again on a node that has a volume s
   it("freezes the old mount for a snapshot, and the node's own unpublish and unstage release it", async () => {
     const { id, on, up, down, publishTo, unpublishFrom, sum, device } =
       await stagedThenRemounted('pvc-remount-release');
+    // Its stats still see the volume behind the pod's path: healthy, with its usage (not "detached").
+    const stats = await nodeA.clients.node.NodeGetVolumeStats({ volume_id: id, volume_path: on('a').target });
+    expect({ condition: stats.volume_condition, units: stats.usage.map((u) => u.unit) }).toEqual({
+      condition: { abnormal: false, message: 'The volume is attached, mounted and healthy.' },
+      units: ['BYTES', 'INODES'],
+    });
     // A snapshot on a pool that cannot reflink copies only while node-a holds the filesystem frozen.
     const snap = await ctl.clients.controller.CreateSnapshot({ name: 'snap-remount', source_volume_id: id });
     expect(snap.snapshot?.ready_to_use).toBe(true);
