@@ -64,6 +64,9 @@ export function mountsAt(mounts: readonly MountEntry[], mountPoint: string): Mou
 }
 
 export const isReadOnlyMount = (m: MountEntry): boolean => m.options.includes('ro');
+/** A filesystem read-only underneath a mount that is not: the kernel turned it read-only after errors. */
+export const wentReadOnly = (m: MountEntry): boolean =>
+  m.superOptions.includes('ro') && !m.options.includes('ro');
 
 /**
  * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine), top first, and

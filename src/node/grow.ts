@@ -7,7 +7,7 @@ import { broken, conflict, missing, outsideRange } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
 import { growthSlack, mustGrow, OnlineGrowthUnsupported } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
-import { isReadOnlyMount } from '../host/mounts.js';
+import { isReadOnlyMount, wentReadOnly } from '../host/mounts.js';
 import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
 import {
   callerPath,
@@ -38,6 +38,14 @@ export async function growMounted(
   if (was === undefined ? unlessUnknown : !mustGrow(was, loop.sizeBytes)) return;
   const before = (await d.host.usage(mountPoint)).totalBytes;
   await d.host.growOnline(x, fsType, loop.path, mountPoint);
+  // A grow that hit the pool's end (writes refused by a full pool) can abort the filesystem's journal
+  // or transaction: the tool may still say it grew, but the pod's filesystem is read-only now.
+  const top = (await d.host.mounts()).filter((m) => m.mountPoint === mountPoint).at(-1);
+  if (top && wentReadOnly(top)) {
+    throw broken(
+      `Growing the ${fsType} filesystem on ${loop.path} turned it read-only (the kernel stopped it after write errors: is the pool full?); unstage the volume and stage it again once there is room.`,
+    );
+  }
   const size = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
   const after = (await d.host.usage(mountPoint)).totalBytes;
   if (!fills(size) || after <= before) {
@@ -91,6 +99,11 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   if (!isFsType(fsType)) {
     throw conflict(
       `${r.volumePath} holds ${fsType}, which this driver does not grow (it knows ${FS_TYPES.join(', ')}).`,
+    );
+  }
+  if (wentReadOnly(top)) {
+    throw conflict(
+      `The ${fsType} filesystem of volume ${r.id} went read-only after errors; it is grown once it is unstaged and staged again (checked then), not before.`,
     );
   }
   let at = p;

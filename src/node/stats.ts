@@ -8,6 +8,7 @@ import type { Exec } from '../exec/runner.js';
 import type { VolumeCondition } from '../gen/csi/v1/VolumeCondition.js';
 import type { VolumeUsage } from '../gen/csi/v1/VolumeUsage.js';
 import { backingName } from '../host/loop.js';
+import { wentReadOnly } from '../host/mounts.js';
 import { IMAGE_FILE } from '../pool/layout.js';
 import {
   callerPath,
@@ -75,8 +76,7 @@ export async function volumeStats(
   };
   if (!imagePresent) condition = abnormal('The disk image is missing from the pool.');
   if (isDeviceBind(top)) return { usage: [{ unit: 'BYTES', total: String(loop.sizeBytes) }], condition };
-  // A filesystem read-only underneath a mount that is not: the kernel turned it read-only after errors.
-  if (top.superOptions.includes('ro') && !top.options.includes('ro') && !condition.abnormal) {
+  if (wentReadOnly(top) && !condition.abnormal) {
     condition = abnormal('The filesystem went read-only, usually after I/O or consistency errors.');
   }
   try {

@@ -6,12 +6,14 @@
  * The real driver on a real filesystem, filled from outside the pool by a file that takes every block.
  */
 import { execFileSync } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { blockCap, TestEnv } from '../helpers/env.js';
-import { codeOf } from '../helpers/grpc.js';
-import { MiB, scratchFilesystem } from '../helpers/host.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
+import { codeOf, errorOf } from '../helpers/grpc.js';
+import { MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
+import { publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -104,3 +106,80 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
     await d.stop();
   });
 });
+
+describe('growing a btrfs volume on a full pool', () => {
+  it('is not answered OK when the growth turned the filesystem read-only, nor on retry', async () => {
+    const base = await env.dir('full-grow');
+    const scratch = await scratchFilesystem(base, 'btrfs', 512);
+    env.declareOwn(scratch.mountPoint, scratch.device);
+    const d = await env.driver({
+      dir: base,
+      poolDir: path.join(scratch.mountPoint, 'pool'),
+      extra: ['--overcommit-ratio=1000'],
+    });
+    const cap = mountCap('btrfs');
+    const id =
+      (
+        await d.clients.controller.CreateVolume({
+          name: 'pvc-grow',
+          capacity_range: { required_bytes: String(256 * MiB) },
+          volume_capabilities: [cap],
+        })
+      ).volume?.volume_id ?? '';
+    const staging = path.join(base, 'staging');
+    const target = path.join(base, 'pod', 'mount');
+    await stage(d, id, staging, cap);
+    await publish(d, id, staging, target, cap);
+    const sum = await writeRandom(path.join(target, 'data.bin'), 4, 3);
+    const grow = { volume_id: id, capacity_range: { required_bytes: String(4096 * MiB) } };
+    await d.clients.controller.ControllerExpandVolume({ ...grow, volume_capability: cap });
+
+    await fillUp(path.join(scratch.mountPoint, 'filler'));
+    const expand = () =>
+      errorOf(
+        d.clients.node.NodeExpandVolume({ ...grow, volume_path: target, staging_target_path: staging }),
+      );
+    const first = await expand();
+    const readOnly = wentReadOnlyAt(target);
+    const again = await expand();
+    // btrfs's resize "succeeds", and its transaction aborts on the pool's write errors: the pod's
+    // filesystem is read-only. Before, both answers were OK.
+    expect({ readOnly, first, again }).toEqual({
+      readOnly: true,
+      first: { code: 'INTERNAL', details: expect.stringMatching(/turned it read-only/) as string },
+      again: {
+        code: 'FAILED_PRECONDITION',
+        details: expect.stringMatching(/went read-only after errors/) as string,
+      },
+    });
+
+    await fs.rm(path.join(scratch.mountPoint, 'filler'));
+    execFileSync('sync', ['-f', scratch.mountPoint]);
+    await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+    await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+    // Staged again (checked, then grown once mounted): what was synced before is there, and it grew.
+    await stage(d, id, staging, cap);
+    await publish(d, id, staging, target, cap);
+    expect(await sha256(path.join(target, 'data.bin'))).toBe(sum);
+    const stats = await d.clients.node.NodeGetVolumeStats({ volume_id: id, volume_path: target });
+    expect(stats.volume_condition?.abnormal).toBe(false);
+    expect(Number(stats.usage.find((u) => u.unit === 'BYTES')?.total)).toBeGreaterThan(3000 * MiB);
+    await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+    await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+    await d.clients.controller.DeleteVolume({ volume_id: id });
+    await d.stop();
+  });
+});
+
+/** Whether the filesystem mounted at `p` went read-only underneath a read-write mount. */
+function wentReadOnlyAt(p: string): boolean {
+  const line = readFileSync('/proc/self/mountinfo', 'utf8')
+    .split('\n')
+    .filter((l) => l.split(' ')[4] === p)
+    .at(-1);
+  if (!line) return false;
+  const [pre, post] = line.split(' - ');
+  const mountOpts = pre?.split(' ')[5]?.split(',') ?? [];
+  const superOpts = post?.split(' ')[2]?.split(',') ?? [];
+  return superOpts.includes('ro') && !mountOpts.includes('ro');
+}
