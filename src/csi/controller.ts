@@ -312,18 +312,21 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           }
           // Already as large or larger: OK at its size (spec), never shrunk. A retry whose first answer
           // was lost, then lowered (Kubernetes' recovery from a failed expansion), must not be stuck.
-          const target = Math.max(requested, current);
+          // The size is the image's where an expansion cut short (killed between the image and its
+          // record) left it larger: that is what the node grows the filesystem to.
+          const image = volumes.imagePath(id);
+          const st = await fs.stat(image);
+          const target = Math.max(requested, current, st.size);
           const largest = await d.pool.fs.maxFileSize();
           if (target > largest) {
             throw outOfRange(
               `The pool's filesystem holds files of at most ${formatBytes(largest)}; volume ${id} cannot grow to ${formatBytes(target)}.`,
             );
           }
-          if (range.limitBytes > 0 && current > range.limitBytes) {
-            throw outOfRange(`Volume ${id} is already ${formatBytes(current)}, more than limit_bytes.`);
+          const already = Math.max(current, st.size);
+          if (range.limitBytes > 0 && already > range.limitBytes) {
+            throw outOfRange(`Volume ${id} is already ${formatBytes(already)}, more than limit_bytes.`);
           }
-          const image = volumes.imagePath(id);
-          const st = await fs.stat(image);
           if (target === current && st.size >= target) return undefined;
           const settle = await d.capacity.reserve(
             target - Math.min(st.size, target),

@@ -319,7 +319,7 @@ describe('crash safety', () => {
     expect((await second.clients.controller.CreateVolume(req)).volume?.volume_id).toBe(id);
   });
 
-  it('a ControllerExpandVolume killed between the image and its record: snapshots of both kinds hold the image, check says so, the retry records it', async () => {
+  it('a ControllerExpandVolume killed between the image and its record: snapshots of both kinds hold the image, check says so, the retry (even lowered) records it', async () => {
     const base = await dir('crashgrow');
     const first = await driver({ dir: base, env: { LOOPVOL_FAILPOINT: 'expand-volume:grown' } });
     const v = await first.clients.controller.CreateVolume({
@@ -328,10 +328,10 @@ describe('crash safety', () => {
       volume_capabilities: [blockCap()],
     });
     const id = v.volume?.volume_id ?? '';
-    const grow = (c: DriverProcess) =>
+    const grow = (c: DriverProcess, bytes = 32 * MiB) =>
       c.clients.controller.ControllerExpandVolume({
         volume_id: id,
-        capacity_range: { required_bytes: String(32 * MiB) },
+        capacity_range: { required_bytes: String(bytes) },
       });
     expect(await codeOf(grow(first))).not.toBe('OK');
     expect(await first.exited).toBe(null); // killed by SIGKILL
@@ -343,7 +343,8 @@ describe('crash safety', () => {
     });
     const check = await runMain(['check', '--only=pool', '--json', `--pool-dir=${second.poolDir}`]);
     const kinds = (JSON.parse(check.stdout) as { findings: { kind: string }[] }).findings.map((f) => f.kind);
-    const retried = await grow(second);
+    // Retried lowered, as Kubernetes' recovery from a failed expansion may: the image's size is recorded.
+    const retried = await grow(second, 24 * MiB);
     const after = await runMain(['check', '--only=pool', '--json', `--pool-dir=${second.poolDir}`]);
     expect({
       one: one.snapshot?.size_bytes,
