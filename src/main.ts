@@ -1,12 +1,19 @@
 #!/usr/bin/env node
 /** loopvol: parse flags, start the driver, drain and exit on SIGTERM/SIGINT. */
+import { writeSync } from 'node:fs';
 import { COMMANDS } from './cli.js';
 import { ConfigError, helpText, parseConfig } from './config.js';
 import { startDriver } from './driver.js';
+import { CLEANUP_MS } from './exec/runner.js';
 import { createLogger } from './log.js';
 import { PoolError } from './pool/pool.js';
 import { EndpointError } from './server/server.js';
 import { driverVersion } from './version.js';
+
+/** How long an exit waits for the log to be written out. */
+const FLUSH_WAIT_MS = 2_000;
+/** Beyond --shutdown-timeout and the undo time, what stopping may take before the process just exits. */
+const STOP_MARGIN_MS = 10_000;
 
 function fail(message: string, code: number): never {
   process.stderr.write(`loopvol: ${message}\n`);
@@ -64,6 +71,20 @@ async function main(): Promise<void> {
     throw err;
   }
 
+  // The log's writes go through libuv's thread pool, which calls blocked on a pool that hangs (a network
+  // filesystem's server gone) can fill: then a flush never ends, and the process must exit all the same.
+  // Nor may stopping itself outlast its budget: a call blocked on such a pool never ends, and its
+  // thread with it. process.exit() joins those threads, so the way out is SIGKILL (said without them).
+  const exitNow = (why: string): void => {
+    writeSync(2, `loopvol: ${why}; exiting now\n`);
+    process.kill(process.pid, 'SIGKILL');
+  };
+  const exitFlushed = (code: number): void => {
+    log.flush(() => process.exit(code));
+    setTimeout(() => {
+      exitNow('the log could not be written out (a pool that hangs holds its threads)');
+    }, FLUSH_WAIT_MS);
+  };
   let stopping = false;
   const onSignal = (signal: NodeJS.Signals): void => {
     if (stopping) {
@@ -72,15 +93,21 @@ async function main(): Promise<void> {
       process.exit(1);
     }
     stopping = true;
+    setTimeout(
+      () => {
+        exitNow('stopping took longer than --shutdown-timeout and the undo time');
+      },
+      config.shutdownTimeoutMs + CLEANUP_MS + STOP_MARGIN_MS,
+    );
     log.info({ signal }, 'stopping: no new calls, waiting for calls in flight');
     driver.stop().then(
       () => {
         log.info('stopped');
-        log.flush(() => process.exit(0));
+        exitFlushed(0);
       },
       (err: unknown) => {
         log.error({ err }, 'error while stopping');
-        log.flush(() => process.exit(1));
+        exitFlushed(1);
       },
     );
   };
