@@ -131,7 +131,7 @@ export async function hostFindings(
         node: f.node,
         detail: `node ${f.node} froze the filesystem of volume ${f.volumeId} on ${dev} for good at ${f.at}, because the volume was detached from it while mounted (a force-detach): the old pod's writes must never reach it`,
         action:
-          'Intentional. Reboot the node once its pods are gone: only that ends a fence. Neither the driver nor loopvol gc thaws, unmounts or detaches it.',
+          'Intentional. Reboot the node once its pods are gone: only that ends a fence. Neither the driver nor loopvol gc thaws it; an unstage unmounts it and answers FAILED_PRECONDITION, and its frozen superblock keeps the device attached until the reboot.',
       });
       continue;
     }

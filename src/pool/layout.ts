@@ -25,6 +25,8 @@
  *   locks/<key>.lock                  cross-process locks
  *   trash/                            deleted volumes and snapshots on their way out
  *   quarantine/<id>.<when>/           directories whose record could not be read, kept for an operator
+ *   reserve                           4 MiB of written blocks a call that frees space gives back when
+ *                                     the pool is full (see pool/reserve.ts)
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
