@@ -56,6 +56,19 @@ function nodePlugin(base: string, m: SshfsMount, nodeId: string): Promise<Driver
   });
 }
 
+/** Whether Probe says ready within `ms`, asked every 200 ms. */
+async function readyWithin(d: DriverProcess, ms: number): Promise<boolean> {
+  for (const deadline = Date.now() + ms; Date.now() < deadline;) {
+    const ready = await d.clients.identity.Probe({}, { timeoutMs: 3000 }).then(
+      (r) => r.ready?.value === true,
+      () => false,
+    );
+    if (ready) return true;
+    await new Promise((r) => setTimeout(r, 200));
+  }
+  return false;
+}
+
 /** The paths a kubelet on one node uses for one volume, and its stage/publish calls. */
 class OnNode {
   constructor(
@@ -160,15 +173,7 @@ describe.skipIf(skip)('a pool on a network filesystem (sshfs)', () => {
     } finally {
       m.resume();
     }
-    let ready = false;
-    for (const deadline = Date.now() + 15_000; !ready && Date.now() < deadline;) {
-      ready = await d.clients.identity.Probe({}, { timeoutMs: 3000 }).then(
-        (r) => r.ready?.value === true,
-        () => false,
-      );
-      if (!ready) await new Promise((r) => setTimeout(r, 200));
-    }
-    expect(ready).toBe(true);
+    expect(await readyWithin(d, 15_000)).toBe(true);
     expect((await d.clients.node.NodeGetInfo({}, { timeoutMs: 5000 })).node_id).toBe('node-hung');
     await d.stop();
     await m.unmount();
@@ -193,15 +198,9 @@ describe.skipIf(skip)('a pool on a network filesystem (sshfs)', () => {
     } finally {
       m.resume();
     }
-    let ready = false;
-    for (const deadline = Date.now() + 15_000; !ready && Date.now() < deadline;) {
-      ready = await d.clients.identity.Probe({}, { timeoutMs: 3000 }).then(
-        (r) => r.ready?.value === true,
-        () => false,
-      );
-      if (!ready) await new Promise((r) => setTimeout(r, 200));
-    }
-    expect(ready).toBe(true);
+    // Its log tells what it waited for, should it not get ready.
+    const ready = await readyWithin(d, 30_000);
+    expect({ ready, log: ready ? [] : d.logs().slice(-15) }).toEqual({ ready: true, log: [] });
     expect((await d.clients.node.NodeGetInfo({}, { timeoutMs: 5000 })).node_id).toBe('node-hs');
     expect(d.logs().some((l) => l.includes('the pool is open; serving it'))).toBe(true);
     await d.stop();
