@@ -11,7 +11,8 @@ import { toStatus } from '../server/status.js';
 const outOfSpace = (err: unknown): boolean => toStatus(err).code === Code.RESOURCE_EXHAUSTED;
 
 /**
- * `m`, run once more after giving the reserve back when it failed for lack of space; after a success,
+ * `m`, run once more after giving the reserve back (if it was still there) when it failed for lack of
+ * space; after a success,
  * the reserve is written again if it is not whole and the pool has room (one stat when it is whole).
  */
 export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserve): Method<Req, Res> {
@@ -26,7 +27,9 @@ export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserv
           try {
             res = await p.run(ctx);
           } catch (err) {
-            if (!outOfSpace(err) || !(await reserve.giveBack().catch(() => false))) throw err;
+            if (!outOfSpace(err)) throw err;
+            // Given back now, or just before by a call failing beside this one: either way, once more.
+            await reserve.giveBack().catch(() => false);
             res = await p.run(ctx);
           }
           // Given back here or by another process on the pool: whole again once there is room.

@@ -4,14 +4,21 @@
  * fence file rewritten beside itself. On ext4 and btrfs not one of those fits, so without this every
  * DeleteVolume, DeleteSnapshot, unpublish and unstage answered RESOURCE_EXHAUSTED for good.
  *
- * The pool keeps `reserve`, a file of RESERVE_BYTES of written blocks. A call that frees space and
- * fails for lack of it gives the reserve back (truncates it) and runs once more: its steps are
- * idempotent, as a CO's retry would find them. The reserve is written again when the pool has room.
- * Every process on the pool (controllers, node plugins of a shared pool) shares the one file.
+ * The pool keeps `reserve`, a file of RESERVE_BYTES of written (random, so incompressible) blocks. A
+ * call that frees space and fails for lack of it gives the reserve back (truncates it) and runs once
+ * more (csi/space.ts). The reserve is written again when the pool has room. Every process on the pool
+ * (controllers, node plugins of a shared pool) shares the one file.
+ *
+ * A shared pool is writable by more than the driver: the file is opened without following a link, and
+ * used only when it is a regular file with no other name (never a planted symlink or hard link to
+ * another file, which a truncation would empty).
  */
-import fs from 'node:fs/promises';
+import { randomFillSync } from 'node:crypto';
+import { constants } from 'node:fs';
+import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
+import { errnoCode } from '../errors.js';
 
 export const RESERVE_FILE = 'reserve';
 export const RESERVE_BYTES = 4 * 1024 * 1024;
@@ -22,9 +29,11 @@ export class SpaceReserve {
   private readonly file: string;
   private refilling: Promise<void> | undefined;
 
+  /** `present` throws unless the pool is still there (a reserve is never written into a bare mount point). */
   constructor(
     root: string,
     private readonly log: Logger,
+    private readonly present: () => Promise<void>,
   ) {
     this.file = path.join(root, RESERVE_FILE);
   }
@@ -33,7 +42,7 @@ export class SpaceReserve {
   refill(): Promise<void> {
     this.refilling ??= this.write()
       .catch((err: unknown) => {
-        this.log.debug({ err, file: this.file }, 'could not write the pool’s space reserve; trying later');
+        this.log.debug({ err, file: this.file }, "could not write the pool's space reserve; trying later");
       })
       .finally(() => {
         this.refilling = undefined;
@@ -42,34 +51,67 @@ export class SpaceReserve {
   }
 
   private async write(): Promise<void> {
-    const held = await fs.stat(this.file).then(
-      (st) => st.blocks * 512,
-      () => 0,
-    );
-    if (held >= RESERVE_BYTES) return;
-    const st = await fs.statfs(path.dirname(this.file));
-    if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return;
-    const h = await fs.open(this.file, 'w', 0o600);
-    try {
-      await h.write(Buffer.alloc(RESERVE_BYTES, 0x72), 0, RESERVE_BYTES, 0);
+    await this.present();
+    await this.withFile(true, async (h, held) => {
+      if (held >= RESERVE_BYTES) return;
+      const st = await fs.statfs(path.dirname(this.file));
+      if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return;
+      const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
+      await h.write(bytes, 0, RESERVE_BYTES, 0);
+      await h.truncate(RESERVE_BYTES);
       await h.sync();
-    } finally {
-      await h.close();
-    }
+    });
   }
 
   /** Frees the reserve's blocks; false when it held none (given back already, or never written). */
   async giveBack(): Promise<boolean> {
-    const held = await fs.stat(this.file).then(
-      (st) => st.blocks > 0,
-      () => false,
-    );
-    if (!held) return false;
-    await fs.truncate(this.file, 0);
-    this.log.warn(
-      { file: this.file },
-      'the pool is full: gave back its space reserve so that a call freeing space can run',
-    );
-    return true;
+    const freed = await this.withFile(false, async (h, held) => {
+      if (held === 0) return false;
+      await h.truncate(0);
+      return true;
+    });
+    if (freed) {
+      this.log.warn(
+        { file: this.file },
+        'the pool is full: gave back its space reserve so that a call freeing space can run',
+      );
+    }
+    return freed === true;
+  }
+
+  /** `fn` on the reserve, opened without following links, with its allocated bytes; undefined if absent. */
+  private async withFile<T>(
+    create: boolean,
+    fn: (h: FileHandle, heldBytes: number) => Promise<T>,
+  ): Promise<T | undefined> {
+    const flags = constants.O_RDWR | constants.O_NOFOLLOW | (create ? constants.O_CREAT : 0);
+    const foreign = (): void => {
+      this.log.warn(
+        { file: this.file },
+        "the pool's space reserve is not a regular file of its own (a link, or another kind); left alone",
+      );
+    };
+    let h: FileHandle;
+    try {
+      h = await fs.open(this.file, flags, 0o600);
+    } catch (err) {
+      const code = errnoCode(err);
+      if (code === 'ELOOP' || code === 'EISDIR') {
+        foreign();
+        return undefined;
+      }
+      if (!create && code === 'ENOENT') return undefined;
+      throw err;
+    }
+    try {
+      const st = await h.stat();
+      if (!st.isFile() || st.nlink !== 1) {
+        foreign();
+        return undefined;
+      }
+      return await fn(h, st.blocks * 512);
+    } finally {
+      await h.close();
+    }
   }
 }

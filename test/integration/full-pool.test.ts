@@ -56,6 +56,9 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
     const used = await make('pvc-used');
     const snap = (await c.CreateSnapshot({ name: 'snap-used', source_volume_id: used })).snapshot
       ?.snapshot_id;
+    const group = (
+      await d.clients.group.CreateVolumeGroupSnapshot({ name: 'group-idle', source_volume_ids: [idle] })
+    ).group_snapshot?.group_snapshot_id;
     await c.ControllerPublishVolume({ volume_id: used, node_id: 'node-1', volume_capability: blockCap() });
     const staging = path.join(base, 'staging');
     const target = path.join(base, 'pod', 'dev');
@@ -78,6 +81,9 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
       ),
       controllerUnpublish: await codeOf(c.ControllerUnpublishVolume({ volume_id: used, node_id: 'node-1' })),
       deleteSnapshot: await codeOf(c.DeleteSnapshot({ snapshot_id: snap ?? '' })),
+      deleteGroup: await codeOf(
+        d.clients.group.DeleteVolumeGroupSnapshot({ group_snapshot_id: group ?? '', snapshot_ids: [] }),
+      ),
       deleteIdle: await codeOf(c.DeleteVolume({ volume_id: idle })),
       deleteUsed: await codeOf(c.DeleteVolume({ volume_id: used })),
     };
@@ -86,6 +92,7 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
       unstage: 'OK',
       controllerUnpublish: 'OK',
       deleteSnapshot: 'OK',
+      deleteGroup: 'OK',
       deleteIdle: 'OK',
       deleteUsed: 'OK',
     });
