@@ -4,6 +4,7 @@
  * writes only the allocated extents (cp walks them with SEEK_DATA/SEEK_HOLE). Never a byte-for-byte
  * copy that fills the holes.
  */
+import { randomBytes } from 'node:crypto';
 import { constants } from 'node:fs';
 import fs, { type FileHandle } from 'node:fs/promises';
 import { busy, conflict, errnoCode, invalid, unsafe } from '../errors.js';
@@ -153,9 +154,13 @@ export async function growImage(
     const st = await h.stat();
     if (st.size >= size) return;
     // fallocate extends the file too (it never shrinks one); a sparse image is only made longer.
-    if (preallocated) await reserveBlocks(x, h, st.size, size - st.size, lock?.signal);
+    if (preallocated) {
+      lock?.assertHeld(); // fallocate makes the file longer too
+      await reserveBlocks(x, h, st.size, size - st.size, lock?.signal);
+    }
+    const now = (await h.stat()).size;
     lock?.assertHeld();
-    if ((await h.stat()).size < size) await h.truncate(size);
+    if (now < size) await h.truncate(size);
     await h.sync();
   });
 }
@@ -168,8 +173,8 @@ export async function growImage(
  */
 export async function ownBlocks(x: Exec, file: string, lock?: HeldLock): Promise<void> {
   const signal = lock?.signal;
-  const own = `${file}.own`;
-  await fs.rm(own, { force: true });
+  // A name of this attempt's own: a process that lost the lock never touches the next holder's copy.
+  const own = `${file}.own-${randomBytes(6).toString('hex')}`;
   try {
     await withImage(file, false, (h) =>
       intoNewFile(own, async (dst) => {
@@ -185,7 +190,7 @@ export async function ownBlocks(x: Exec, file: string, lock?: HeldLock): Promise
     lock?.assertHeld(); // the names are another's once the lock is lost
     await fs.rename(own, file);
   } finally {
-    if (!signal?.aborted) await fs.rm(own, { force: true });
+    await fs.rm(own, { force: true });
   }
 }
 
