@@ -5,19 +5,12 @@
  * A process whose pool is not there or does not answer serves Identity meanwhile (pool-open.ts).
  */
 import type http from 'node:http';
-import fs from 'node:fs/promises';
-import os from 'node:os';
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { type Config, servesController, servesNode } from './config.js';
-import { controllerService } from './csi/controller.js';
-import { groupService } from './csi/group.js';
-import { freeingSpaceIn } from './csi/space.js';
 import { identityService } from './csi/identity.js';
-import { nodeService, POOL_ID_KEY } from './csi/node.js';
-import { snapshotMetadataRefusing, snapshotMetadataService } from './csi/snapshot-metadata.js';
-import { failedPrecondition } from './errors.js';
-import { bindExec, CLEANUP_MS, type Exec, ExecRunner, type Runner } from './exec/runner.js';
+import { snapshotMetadataRefusing } from './csi/snapshot-metadata.js';
+import { CLEANUP_MS, ExecRunner, type Runner } from './exec/runner.js';
 import { poolStats } from './audit/pool-stats.js';
 import { type Reporter, startReports } from './audit/report.js';
 import type { ControllerHandlers } from './gen/csi/v1/Controller.js';
@@ -26,38 +19,22 @@ import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
 import type { SnapshotMetadataHandlers } from './gen/csi/v1/SnapshotMetadata.js';
 import { type PoolState, Readiness } from './health.js';
-import { kernelHost, loopsBackedBy } from './host/host.js';
+import { kernelHost } from './host/host.js';
 import { Metrics, serveMetrics } from './metrics.js';
-import type { NodeDeps } from './node/on-host.js';
-import { FenceGuard, thawLeftovers } from './node/fence.js';
-import { QuiesceAgent } from './node/quiesce.js';
 import { Capacity } from './pool/capacity.js';
-import { startDiscarding } from './pool/leftovers.js';
-import { startRecordingSharing } from './pool/shared-records.js';
-import { NodeRegistry } from './pool/nodes.js';
 import type { Pool } from './pool/pool.js';
 import { openPool } from './pool-open.js';
-import { QuiesceBoard } from './pool/quiesce.js';
-import { SpaceReserve } from './pool/reserve.js';
-import { SnapshotMetadataReader } from './pool/snapshot-metadata.js';
-import { SnapshotStore } from './pool/snapshots.js';
-import { VolumeStore } from './pool/volumes.js';
-import { buildService, type CallDeps, method, type Methods } from './server/call.js';
+import { refusing, serve, type Serving, stopServing } from './serving.js';
+import { buildService, type CallDeps } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { csiProto } from './server/proto.js';
 import { awaitPredecessor, listen, stop } from './server/server.js';
-import { buildStreamingService, type StreamMethods } from './server/stream.js';
+import { buildStreamingService } from './server/stream.js';
 import { setTelemetry } from './telemetry.js';
 import { driverVersion } from './version.js';
 
-/** A scope for work the driver does on its own behalf (startup), outside any RPC. */
-export function startupContext(log: Logger, runner: Runner): Exec {
-  return bindExec(runner, { log, deadline: Number.POSITIVE_INFINITY });
-}
-
-/** How long a controller waits for a node to answer a request to freeze a volume. */
-const FREEZE_WAIT_MS = 10_000;
-
+/** How long the pool may take to answer at exit before the process is taken for blocked on it. */
+const EXIT_CHECK_MS = 1_000;
 export interface DriverOptions {
   runner?: Runner;
 }
@@ -65,141 +42,11 @@ export interface DriverOptions {
 export interface RunningDriver {
   readonly inFlightCalls: () => number;
   stop(): Promise<void>;
-}
-
-/** What serving a pool takes: its services' methods, and what must stop with the process. */
-interface Serving {
-  pool: Pool;
-  controller: Methods<ControllerHandlers>;
-  group: Methods<GroupControllerHandlers>;
-  node: Methods<NodeHandlers>;
-  metadata: StreamMethods<SnapshotMetadataHandlers>;
-  agent: QuiesceAgent | undefined;
-  guard: FenceGuard | undefined;
-  /** The controller's clearing of unfinished creations (pool/leftovers.ts). */
-  discarding?: { stop: () => void };
-}
-
-/** Builds the stores and services over an open pool; a node plugin also registers and starts answering freezes. */
-async function serve(
-  config: Config,
-  pool: Pool,
-  log: Logger,
-  runner: Runner,
-  inflight: InFlight,
-): Promise<Serving> {
-  const capacity = Capacity.of(pool, config.overcommitRatio);
-  const nodes = new NodeRegistry(pool.layout, config.nodeFenceMs);
-  const volumes = new VolumeStore(pool, capacity, nodes, log);
-  const snapshots = new SnapshotStore(pool, log);
-  const board = new QuiesceBoard(pool);
-  const startup = startupContext(log, runner);
-  const out: Serving = {
-    pool,
-    controller: {},
-    group: {},
-    node: {},
-    metadata: {},
-    agent: undefined,
-    guard: undefined,
-  };
-  // Written before serving, so that a pool's free space stays as it is from the first call on.
-  const reserve = new SpaceReserve(pool.root, log);
-  await reserve.refill();
-  const quarantined = await pool.quarantined();
-  if (quarantined.length > 0) {
-    log.warn(
-      { quarantined: quarantined.map((q) => `${pool.layout.quarantineDir}/${q}`) },
-      'the pool holds quarantined records (unreadable, kept instead of deleted); an operator must restore or remove them',
-    );
-  }
-  if (servesController(config)) {
-    const copy = {
-      pool,
-      volumes,
-      capacity,
-      board,
-      freezeBudgetMs: config.freezeBudgetMs,
-      freezeWaitMs: FREEZE_WAIT_MS,
-      requester: `controller on ${os.hostname()}`,
-    };
-    const inUseHere = async (image: string): Promise<string | undefined> => {
-      const loops = await loopsBackedBy(kernelHost, startup, image);
-      return loops.length > 0 ? `attached as ${loops.map((l) => l.path).join(', ')}` : undefined;
-    };
-    // Publishes wait for this (it reads every volume's attachments once); serving starts at once.
-    volumes.repairNodeIndex().then(
-      ({ added, unreadable }) => {
-        if (added > 0)
-          log.warn({ added }, 'added node index entries of attachments an older release had lost');
-        if (unreadable.length > 0)
-          log.error(
-            { volumes: unreadable.slice(0, 20), count: unreadable.length },
-            "could not read these volumes' attachments to check the node index; loopvol check tells more",
-          );
-      },
-      (err: unknown) => {
-        log.error({ err }, 'could not check the node index against the attachments');
-      },
-    );
-    out.discarding = startDiscarding(pool, { volumes, snapshots }, log);
-    startRecordingSharing(pool, capacity, { volumes, snapshots }, log);
-    out.controller = freeingSpaceIn(
-      controllerService({ ...copy, config, snapshots, nodes, capacity, inUseHere }),
-      ['DeleteVolume', 'DeleteSnapshot', 'ControllerUnpublishVolume'],
-      reserve,
-    );
-    out.group = freeingSpaceIn(groupService({ ...copy, snapshots }), ['DeleteVolumeGroupSnapshot'], reserve);
-    out.metadata = snapshotMetadataService({ reader: new SnapshotMetadataReader(pool, snapshots) });
-  }
-  if (servesNode(config)) {
-    const nodeId = config.nodeId;
-    if (nodeId === undefined) throw new Error('the node service needs --nodeid');
-    await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
-    const nodeDeps: NodeDeps = {
-      nodeId,
-      poolName: config.poolName,
-      poolId: pool.id,
-      maxVolumesPerNode: config.maxVolumesPerNode,
-      loopDirectIo: config.loopDirectIo,
-      volumes,
-      nodes,
-      host: kernelHost,
-      poolRoot: pool.root,
-      // Compared with canonical staging and target paths: a kubelet root reached through a symlink
-      // (/var/lib/kubelet -> /data/kubelet) is compared as what it leads to.
-      kubeletDir: await kernelHost.canonicalPath(config.kubeletDir),
-      bootId: (
-        await fs.readFile('/proc/sys/kernel/random/boot_id', 'utf8').catch(() => 'unknown-boot')
-      ).trim(),
-    };
-    // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
-    // requests are answered.
-    out.guard = new FenceGuard(nodeDeps, pool, inflight, runner, log);
-    await out.guard.prepare();
-    out.agent = new QuiesceAgent(nodeDeps, board, inflight, out.guard, runner, log);
-    await out.agent.prepare();
-    await thawLeftovers(nodeDeps, startup, out.guard);
-    out.agent.run();
-    out.guard.run();
-    out.node = freeingSpaceIn(nodeService(nodeDeps), ['NodeUnstageVolume', 'NodeUnpublishVolume'], reserve);
-  }
-  return out;
-}
-
-/** Every method of `definition` answering FAILED_PRECONDITION with `why` (no pool here yet). */
-function refusing<H>(definition: grpc.ServiceDefinition, why: () => string): Methods<H> {
-  const table: Record<string, unknown> = {};
-  for (const name of Object.keys(definition)) {
-    table[name] = method<{ volume_context?: Record<string, string> }, never, string>({
-      validate: (req) => {
-        const wanted = req.volume_context?.[POOL_ID_KEY];
-        return wanted ? `${why()} (volume of pool ${wanted})` : why();
-      },
-      run: (msg) => Promise.reject(failedPrecondition(`${msg}.`)),
-    });
-  }
-  return table as Methods<H>;
+  /**
+   * After stop(): whether process.exit() can end the process. It waits for libuv's threads, and a
+   * call, the pool's open or a look at the pool blocked on a pool that hangs holds one of them.
+   */
+  exitsCleanly(): Promise<boolean>;
 }
 
 export async function startDriver(
@@ -216,11 +63,17 @@ export async function startDriver(
   const openOptions = { create: config.createPool, lock: role ? { role } : {}, runner };
   const inflight = new InFlight();
   let state: PoolState = { missing: 'The pool is not open yet' };
+  let stopping = false;
   let serving: Serving | undefined;
   const opening = await openPool(config.poolDir, config.poolName, log, openOptions, {
     opened: async (pool, how) => {
-      // Ready only once every service is there to serve it.
-      serving = await serve(config, pool, log, runner, inflight);
+      // Ready only once every service is there to serve it; nothing of it runs on once stopping began.
+      const served = await serve(config, pool, log, runner, inflight);
+      if (stopping) {
+        await stopServing(served);
+        return;
+      }
+      serving = served;
       state = pool;
       report(pool);
       log.info({ pool: pool.root, id: pool.id }, how);
@@ -359,8 +212,11 @@ export async function startDriver(
   return {
     inFlightCalls: () => active,
     async stop() {
+      stopping = true;
+      const halted = opening.stop();
       reporter?.stop();
       serving?.discarding?.stop();
+      serving?.reserving?.stop();
       if (active > 0) log.info({ inFlight: active }, 'waiting for calls in flight');
       metricsServer?.close();
       await stop(server, config.endpoint, config.shutdownTimeoutMs, log);
@@ -369,11 +225,14 @@ export async function startDriver(
       for (const until = Date.now() + CLEANUP_MS; active > 0 && Date.now() < until;)
         await new Promise((r) => setTimeout(r, 50));
       if (active > 0) log.warn({ inFlight: active }, 'calls were still undoing their work at exit');
-      await opening.stop();
-      await serving?.agent?.stop();
-      await serving?.guard?.stop();
+      await halted;
+      await stopServing(serving);
       if (metrics) setTelemetry(undefined);
       await leavePresence?.();
+    },
+    async exitsCleanly() {
+      if (active > 0 || opening.pending()) return false;
+      return readiness.answers(EXIT_CHECK_MS);
     },
   };
 }

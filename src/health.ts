@@ -121,6 +121,18 @@ export class Readiness {
         `The driver is not ready: the pool ${'root' in state ? state.root : ''} does not answer within ${(timeoutMs / 1000).toFixed(1)} s (is its filesystem hung, or its server gone?).`,
     );
   }
+
+  /** Whether a fresh look at the pool and tools ends within `ms` (false: it, or one before, is blocked). */
+  async answers(ms: number): Promise<boolean> {
+    void this.problem(ms).catch(() => undefined);
+    const running = this.running;
+    if (!running) return true;
+    return orAfter(
+      running.then(() => true),
+      ms,
+      () => false,
+    );
+  }
 }
 
 /** A one-off readiness check (tests, tools). */

@@ -71,27 +71,27 @@ async function main(): Promise<void> {
     throw err;
   }
 
-  // The log's writes go through libuv's thread pool, which calls blocked on a pool that hangs (a network
-  // filesystem's server gone) can fill: then a flush never ends, and the process must exit all the same.
-  // Nor may stopping itself outlast its budget: a call blocked on such a pool never ends, and its
-  // thread with it. process.exit() joins those threads, so the way out is SIGKILL (said without them).
+  // process.exit() waits for libuv's threads, and one blocked on a pool that hangs (a network
+  // filesystem's server gone) never ends: then the log's flush, which needs those threads too, never
+  // ends either, and the process ends by SIGKILL (said on stderr, which needs none of them).
   const exitNow = (why: string): void => {
     writeSync(2, `loopvol: ${why}; exiting now\n`);
     process.kill(process.pid, 'SIGKILL');
   };
-  const exitFlushed = (code: number): void => {
-    log.flush(() => process.exit(code));
+  const exitFlushed = async (code: number): Promise<void> => {
+    const clean = await driver.exitsCleanly();
+    const blocked = 'a call or a look at the pool is blocked on it (does the pool hang?)';
+    log.flush(() => {
+      if (clean) process.exit(code);
+      else exitNow(blocked);
+    });
     setTimeout(() => {
-      exitNow('the log could not be written out (a pool that hangs holds its threads)');
+      exitNow(clean ? 'the log could not be written out' : blocked);
     }, FLUSH_WAIT_MS);
   };
   let stopping = false;
   const onSignal = (signal: NodeJS.Signals): void => {
-    if (stopping) {
-      log.warn({ signal }, 'second signal: exiting now');
-      log.flush();
-      process.exit(1);
-    }
+    if (stopping) exitNow(`second signal (${signal})`);
     stopping = true;
     setTimeout(
       () => {
@@ -103,11 +103,11 @@ async function main(): Promise<void> {
     driver.stop().then(
       () => {
         log.info('stopped');
-        exitFlushed(0);
+        void exitFlushed(0);
       },
       (err: unknown) => {
         log.error({ err }, 'error while stopping');
-        exitFlushed(1);
+        void exitFlushed(1);
       },
     );
   };

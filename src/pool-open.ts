@@ -17,8 +17,10 @@ const POOL_ANSWER_MS = 2_000;
 export interface PoolOpening {
   /** The pool, when it opened within POOL_ANSWER_MS; else `opened` is called once it opens. */
   readonly pool: Pool | undefined;
-  /** Stops looking, and waits for a look under way. */
+  /** Stops looking (at once: nothing opened afterwards is served), and waits for a look under way. */
   stop(): Promise<void>;
+  /** Whether an open of the pool has not ended (blocked on a pool that hangs, perhaps). */
+  pending(): boolean;
 }
 
 export interface OpeningHooks {
@@ -39,14 +41,33 @@ export async function openPool(
 ): Promise<PoolOpening> {
   let stopped = false;
   let looking: Promise<void> | undefined;
+  let opens = 0; // opens under way
+  const open = async (): Promise<Pool> => {
+    opens++;
+    try {
+      return await Pool.open(dir, name, log, options);
+    } finally {
+      opens--;
+    }
+  };
+  const pending = (): boolean => opens > 0;
+  const halted = (): boolean => stopped;
+  // Probe says why, not "not open after 2 s".
+  const cannotOpen = (err: unknown): void => {
+    hooks.missing(
+      `The pool at ${dir} cannot be opened (${err instanceof Error ? err.message : String(err)})`,
+    );
+    log.warn({ err }, 'the pool is there but cannot be opened yet');
+  };
   const look = (): void => {
     const timer = setTimeout(() => {
       looking = (async () => {
-        if (stopped) return;
+        if (halted()) return;
         try {
-          await hooks.opened(await Pool.open(dir, name, log, options), 'the pool appeared; serving it');
+          const pool = await open();
+          if (!halted()) await hooks.opened(pool, 'the pool appeared; serving it');
         } catch (err) {
-          if (!(err instanceof PoolMissing)) log.warn({ err }, 'the pool is there but cannot be opened yet');
+          if (!(err instanceof PoolMissing)) cannotOpen(err);
           look();
         }
       })();
@@ -58,7 +79,7 @@ export async function openPool(
     await looking;
   };
 
-  const opening = Pool.open(dir, name, log, options);
+  const opening = open();
   const first = await orAfter<{ pool: Pool } | { err: unknown } | undefined>(
     opening.then(
       (pool) => ({ pool }),
@@ -67,13 +88,13 @@ export async function openPool(
     POOL_ANSWER_MS,
     () => undefined,
   );
-  if (first && 'pool' in first) return { pool: first.pool, stop };
+  if (first && 'pool' in first) return { pool: first.pool, stop, pending };
   if (first) {
     if (!(first.err instanceof PoolMissing)) throw first.err;
     hooks.missing(reason(first.err));
     log.warn({ pool: dir }, first.err.message);
     look();
-    return { pool: undefined, stop };
+    return { pool: undefined, stop, pending };
   }
   const why = `The pool at ${dir} is not open after ${POOL_ANSWER_MS / 1000} s (a network filesystem that hangs, or a slow one); it is served once it is`;
   hooks.missing(why);
@@ -84,8 +105,14 @@ export async function openPool(
     })
     .catch((err: unknown) => {
       if (err instanceof PoolMissing) hooks.missing(reason(err));
-      else log.warn({ err }, 'the pool is there but cannot be opened yet');
+      else {
+        // Probe says why, not "not open after 2 s".
+        hooks.missing(
+          `The pool at ${dir} cannot be opened (${err instanceof Error ? err.message : String(err)})`,
+        );
+        log.warn({ err }, 'the pool is there but cannot be opened yet');
+      }
       look();
     });
-  return { pool: undefined, stop };
+  return { pool: undefined, stop, pending };
 }

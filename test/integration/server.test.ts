@@ -2,6 +2,8 @@
  * The real binary on a real socket: flags, Identity over @grpc/grpc-js, stale and live sockets,
  * SIGTERM, and that secrets never reach the log.
  */
+import { execFileSync } from 'node:child_process';
+import { closeSync, constants, openSync, writeSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import net from 'node:net';
 import path from 'node:path';
@@ -221,6 +223,52 @@ describe('the socket', () => {
     expect(r.code).toBe(1);
     expect(r.stderr).toContain('cannot use');
     expect(r.stderr.trim().split('\n')).toHaveLength(1);
+  });
+
+  it('listens while its pool does not answer, and exits on SIGTERM all the same', async () => {
+    // A pool whose pool.json never answers a read (a FIFO nobody writes), as a hung NFS server's: the
+    // open blocks one of libuv's threads for good, which process.exit() would wait for.
+    const base = await dir('hungpool');
+    const poolDir = path.join(base, 'pool');
+    await fs.mkdir(poolDir);
+    execFileSync('mkfifo', [path.join(poolDir, 'pool.json')]);
+    const d = await driver({
+      dir: base,
+      poolDir,
+      mode: 'controller',
+      extra: ['--create-pool=false', '--shutdown-timeout=1'],
+    });
+    const e = await errorOf(d.clients.identity.Probe({}));
+    expect({ code: e.code, details: e.details }).toEqual({
+      code: 'FAILED_PRECONDITION',
+      details: expect.stringMatching(/is not open after 2 s/) as string,
+    });
+    const started = Date.now();
+    d.proc.kill('SIGTERM');
+    const ended = await Promise.race([
+      d.exited.then(() => Date.now() - started),
+      new Promise<undefined>((r) =>
+        setTimeout(() => {
+          r(undefined);
+        }, 20_000),
+      ),
+    ]);
+    try {
+      expect({ ended: ended !== undefined, signal: d.proc.signalCode, said: d.stderr() }).toEqual({
+        ended: true,
+        signal: 'SIGKILL',
+        said: expect.stringContaining('blocked on it') as string,
+      });
+    } finally {
+      // A driver still reading the FIFO (this test failed) gets its answer; with no reader, nothing to do.
+      try {
+        const w = openSync(path.join(poolDir, 'pool.json'), constants.O_WRONLY | constants.O_NONBLOCK);
+        writeSync(w, '{}');
+        closeSync(w);
+      } catch {
+        // ENXIO: nobody reads it
+      }
+    }
   });
 
   it('refuses to replace a file that is not a socket', async () => {
