@@ -12,8 +12,8 @@ const outOfSpace = (err: unknown): boolean => toStatus(err).code === Code.RESOUR
 
 /**
  * `m`, run once more after giving the reserve back (if it was still there) when it failed for lack of
- * space; after a success,
- * the reserve is written again if it is not whole and the pool has room (one stat when it is whole).
+ * space; after a success, the reserve is written again if this process found it short and the pool
+ * has room.
  */
 export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserve): Method<Req, Res> {
   return {
@@ -32,8 +32,8 @@ export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserv
             await reserve.giveBack().catch(() => false);
             res = await p.run(ctx);
           }
-          // Given back here or by another process on the pool: whole again once there is room.
-          void reserve.refill();
+          // Given back (by this process): whole again once there is room.
+          void reserve.refillIfShort();
           return res;
         },
       };

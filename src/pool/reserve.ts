@@ -28,6 +28,8 @@ const REFILL_HEADROOM = 8;
 export class SpaceReserve {
   private readonly file: string;
   private refilling: Promise<void> | undefined;
+  /** Not known to be whole: given back, or last left unwritten (no room, an error). */
+  private short = true;
 
   /** `present` throws unless the pool is still there (a reserve is never written into a bare mount point). */
   constructor(
@@ -36,6 +38,14 @@ export class SpaceReserve {
     private readonly present: () => Promise<void>,
   ) {
     this.file = path.join(root, RESERVE_FILE);
+  }
+
+  /**
+   * refill() when this process last found the reserve short, else nothing (the calls that free space
+   * end with this: on their path it costs no file operation; the periodic refill() sees the others').
+   */
+  refillIfShort(): Promise<void> {
+    return this.short ? this.refill() : Promise.resolve();
   }
 
   /** Writes the reserve when it is not whole and the pool has room for it; never fails. */
@@ -51,16 +61,19 @@ export class SpaceReserve {
   }
 
   private async write(): Promise<void> {
+    this.short = true;
     await this.present();
-    await this.withFile(true, async (h, held) => {
-      if (held >= RESERVE_BYTES) return;
+    const whole = await this.withFile(true, async (h, held) => {
+      if (held >= RESERVE_BYTES) return true;
       const st = await fs.statfs(path.dirname(this.file));
-      if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return;
+      if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
       const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
       await h.write(bytes, 0, RESERVE_BYTES, 0);
       await h.truncate(RESERVE_BYTES);
       await h.sync();
+      return true;
     });
+    this.short = whole !== true;
   }
 
   /** Frees the reserve's blocks; false when it held none (given back already, or never written). */
@@ -70,6 +83,7 @@ export class SpaceReserve {
       await h.truncate(0);
       return true;
     });
+    this.short = true;
     if (freed) {
       this.log.warn(
         { file: this.file },
