@@ -101,17 +101,11 @@ export async function openPool(
   log.warn({ pool: dir }, `${why}.`);
   opening
     .then(async (pool) => {
-      if (!stopped) await hooks.opened(pool, 'the pool is open; serving it');
+      if (!halted()) await hooks.opened(pool, 'the pool is open; serving it');
     })
     .catch((err: unknown) => {
       if (err instanceof PoolMissing) hooks.missing(reason(err));
-      else {
-        // Probe says why, not "not open after 2 s".
-        hooks.missing(
-          `The pool at ${dir} cannot be opened (${err instanceof Error ? err.message : String(err)})`,
-        );
-        log.warn({ err }, 'the pool is there but cannot be opened yet');
-      }
+      else cannotOpen(err);
       look();
     });
   return { pool: undefined, stop, pending };
