@@ -68,6 +68,11 @@ export function stageMountOptions(fsType: FsType, readOnly: boolean, userFlags: 
     opts.unshift('ro');
   }
   if (fsType === 'xfs' && !opts.includes('nouuid')) opts.push('nouuid');
+  // ext4 keeps writing after it finds an inconsistency unless told otherwise (its default is
+  // errors=continue): read-only instead stops the damage, shows in the mount and in the volume's
+  // condition, and the next stage checks it. An errors= flag of the StorageClass's own wins.
+  if (fsType === 'ext4' && !opts.includes('ro') && !opts.some((o) => o.startsWith('errors=')))
+    opts.push('errors=remount-ro');
   return [...new Set(opts)];
 }
 

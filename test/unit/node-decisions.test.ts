@@ -248,4 +248,11 @@ describe('mounts', () => {
     expect(stageMountOptions('ext4', true, ['rw'])).toEqual(['ro', 'noload']);
     expect(stageMountOptions('btrfs', false, [])).toEqual([]);
   });
+
+  it('mounts a writable ext4 read-only on errors, unless the StorageClass says how', () => {
+    expect(stageMountOptions('ext4', false, [])).toEqual(['errors=remount-ro']);
+    expect(stageMountOptions('ext4', false, ['noatime'])).toEqual(['noatime', 'errors=remount-ro']);
+    expect(stageMountOptions('ext4', false, ['errors=continue'])).toEqual(['errors=continue']);
+    expect(stageMountOptions('ext4', false, ['ro'])).toEqual(['ro']);
+  });
 });

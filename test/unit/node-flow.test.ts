@@ -90,7 +90,7 @@ describe('NodeStageVolume', () => {
       'probe /dev/loop0',
       'format ext4 /dev/loop0',
       `mkdir ${STAGING}`,
-      `mount ext4 /dev/loop0 ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
     ]);
     expect(w.host.mountsAt(STAGING)).toMatchObject([
       { source: '/dev/loop0', fsType: 'ext4', options: ['rw'] },
@@ -126,7 +126,7 @@ describe('NodeStageVolume', () => {
       'lease names loop0',
       'format ext4 /dev/loop0',
       'lease names loop0',
-      `mount ext4 /dev/loop0 ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
     ]);
   });
 
@@ -151,7 +151,7 @@ describe('NodeStageVolume', () => {
         'probe /dev/loop0',
         'check ext4 /dev/loop0',
         `mkdir ${STAGING}`,
-        `mount ext4 /dev/loop0 ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
       ],
     });
     expect(formats(w)).toHaveLength(1);
@@ -165,7 +165,7 @@ describe('NodeStageVolume', () => {
     expect(ops).toEqual([
       'probe /dev/loop0',
       `mkdir ${STAGING}`,
-      `mount ext4 /dev/loop0 ${STAGING}`,
+      `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
       `thaw ${STAGING}`,
     ]);
     expect([...w.host.attached.keys()]).toEqual(['loop0']);
@@ -212,7 +212,7 @@ describe('NodeStageVolume', () => {
     // No publish context: the attachment record says read-only. The staging is read-write (its journal
     // replayed and checked: a read-only device would hide what the journal holds).
     await stage(w, id);
-    expect(w.host.ops.at(-1)).toBe(`mount ext4 /dev/loop0 ${STAGING}`);
+    expect(w.host.ops.at(-1)).toBe(`mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`);
     expect(w.host.ops.filter((o) => o.startsWith('attach')).at(-1)).toBe(`attach ${image} rw`);
     await publish(w, id, {}, false);
     expect(w.host.mountsAt(TARGET)[0]?.options).toContain('ro');
@@ -284,7 +284,7 @@ describe('NodeStageVolume', () => {
     expect(await w.host.claimed('/dev/loop0')).toBe(true);
     expect(await during(w, () => stage(w, id))).toEqual({
       code: 'OK',
-      ops: ['probe /dev/loop0', `mkdir ${STAGING}`, `mount ext4 /dev/loop0 ${STAGING}`, `thaw ${STAGING}`],
+      ops: ['probe /dev/loop0', `mkdir ${STAGING}`, `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`, `thaw ${STAGING}`],
     });
     expect(w.host.frozen.size).toBe(0);
   });
@@ -296,7 +296,7 @@ describe('NodeStageVolume', () => {
         'check ext4 /dev/loop0',
         'grow-offline /dev/loop0',
         `mkdir ${STAGING}`,
-        `mount ext4 /dev/loop0 ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
       ],
     ],
     [
@@ -337,7 +337,7 @@ describe("what this host's page cache remembers of a device never decides", () =
         'probe /dev/loop0',
         'check ext4 /dev/loop0',
         `mkdir ${STAGING}`,
-        `mount ext4 /dev/loop0 ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
       ],
     });
     expect(formats(w)).toEqual([]);
