@@ -60,16 +60,27 @@ export async function canonicalPath(p: string): Promise<string> {
     return await fs.realpath(normal);
   } catch (err) {
     const code = errnoCode(err);
-    if (code !== 'ENOENT' && code !== 'ENOTDIR' && code !== 'ENOTCONN' && code !== 'ESTALE' && code !== 'EIO')
-      throw err;
+    if (code !== 'ENOENT' && code !== 'ENOTDIR' && !doesNotAnswer(code)) throw err;
   }
   const parent = path.dirname(normal);
   if (parent === normal) return normal;
   return path.join(await canonicalPath(parent), path.basename(normal));
 }
 
-/** What is at a path, not following a symlink there. */
-export type PathKind = 'absent' | 'directory' | 'empty-file' | 'file' | 'symlink' | 'other';
+/**
+ * The errors of a path on a filesystem that is mounted but no longer answers: shut down by the kernel
+ * after I/O errors (xfs, ext4), or a network or FUSE mount whose server is gone. Such a mount can
+ * still be unmounted.
+ */
+export const doesNotAnswer = (code: string | undefined): boolean =>
+  code === 'EIO' || code === 'ENOTCONN' || code === 'ESTALE';
+
+/**
+ * What is at a path, not following a symlink there. `unreachable`: the path's filesystem does not
+ * answer (see doesNotAnswer); a symlink is read from its parent directory, so a mount point whose own
+ * filesystem died is never taken for one.
+ */
+export type PathKind = 'absent' | 'directory' | 'empty-file' | 'file' | 'symlink' | 'other' | 'unreachable';
 
 export async function pathKind(p: string): Promise<PathKind> {
   let st;
@@ -78,6 +89,7 @@ export async function pathKind(p: string): Promise<PathKind> {
   } catch (err) {
     const code = errnoCode(err);
     if (code === 'ENOENT' || code === 'ENOTDIR') return 'absent';
+    if (doesNotAnswer(code)) return 'unreachable';
     throw err;
   }
   if (st.isSymbolicLink()) return 'symlink';
@@ -94,6 +106,8 @@ export async function holdsEntries(p: string): Promise<boolean> {
   } catch (err) {
     const code = errnoCode(err);
     if (code === 'ENOENT' || code === 'ENOTDIR') return false;
+    if (doesNotAnswer(code))
+      throw conflict(`${p} cannot be read (${code}): the filesystem mounted there does not answer.`, err);
     throw err;
   }
   try {
@@ -161,6 +175,8 @@ export async function removeCreated(p: string): Promise<'removed' | 'absent'> {
       throw conflict(`${p} is a symbolic link, which the driver never creates; it was left in place.`);
     case 'other':
       throw conflict(`${p} is neither a directory nor a regular file; it was left in place.`);
+    case 'unreachable':
+      throw conflict(`${p} cannot be read (its filesystem does not answer); it was left in place.`);
   }
 }
 

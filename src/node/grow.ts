@@ -9,6 +9,7 @@ import { growthSlack, mustGrow, OnlineGrowthUnsupported } from '../host/filesyst
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, wentReadOnly } from '../host/mounts.js';
 import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
+import { refuseDeadFilesystem } from './fs-state.js';
 import {
   callerPath,
   fencedDevices,
@@ -106,6 +107,7 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
       `The ${fsType} filesystem of volume ${r.id} went read-only after errors; it is grown once it is unstaged and staged again (checked then), not before.`,
     );
   }
+  await refuseDeadFilesystem(d, r.id, top);
   let at = p;
   if (isReadOnlyMount(top)) {
     const fsSize = await d.host.mountedFilesystemSize(x, fsType, loop.path, p);

@@ -15,6 +15,7 @@ import { isReadOnlyMount, mountErrorLine } from '../host/mounts.js';
 import { pausepoint } from '../failpoints.js';
 import { isVolumeId } from '../pool/ids.js';
 import type { AccessMode, Capability } from '../pool/types.js';
+import { refuseDeadFilesystem } from './fs-state.js';
 import {
   callerPath,
   checkTargetPlace,
@@ -117,6 +118,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
     );
   }
   const stagedMount = isBlock ? undefined : on.mounts.filter((m) => m.mountPoint === staging).at(-1);
+  if (stagedMount) await refuseDeadFilesystem(d, r.id, stagedMount);
   if (published && stagedMount)
     refuseWritableBinds(on, r.id, { source: stagedMount.source, staging, target }, conflict);
   // Published read-only (a reader's access mode too, or staged on a read-only device): the pod's bind

@@ -8,6 +8,7 @@ import { conflict, mismatch } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
 import { isReadOnlyMount } from '../host/mounts.js';
 import type { Capability, Lease } from '../pool/types.js';
+import { refuseDeadFilesystem } from './fs-state.js';
 import { growMounted } from './grow.js';
 import { type NodeDeps, type OnHost, refuseWritableBinds, stagingLoop } from './on-host.js';
 
@@ -47,6 +48,8 @@ export async function alreadyStaged(
         );
       }
       if (published) refuseWritableBinds(on, r.id, { source: top.source, staging }, mismatch);
+      // A repeat stage never answers OK for a filesystem that died since it was staged.
+      await refuseDeadFilesystem(d, r.id, top);
       const recorded = ownLease?.stagingPath === staging ? ownLease.mountFlags : undefined;
       if (recorded !== undefined && !sameFlags(recorded, cap.mountFlags)) {
         throw mismatch(

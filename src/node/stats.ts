@@ -10,6 +10,7 @@ import type { VolumeUsage } from '../gen/csi/v1/VolumeUsage.js';
 import { backingName } from '../host/loop.js';
 import { wentReadOnly } from '../host/mounts.js';
 import { IMAGE_FILE } from '../pool/layout.js';
+import { isDead } from './fs-state.js';
 import {
   callerPath,
   isDeviceBind,
@@ -78,6 +79,13 @@ export async function volumeStats(
   if (isDeviceBind(top)) return { usage: [{ unit: 'BYTES', total: String(loop.sizeBytes) }], condition };
   if (wentReadOnly(top) && !condition.abnormal) {
     condition = abnormal('The filesystem went read-only, usually after I/O or consistency errors.');
+  }
+  // statfs still answers for an xfs or ext4 the kernel shut down; only its files show it.
+  if (await isDead(d, top)) {
+    return {
+      usage: [],
+      condition: abnormal('The filesystem does not answer: the kernel stopped it after I/O errors.'),
+    };
   }
   try {
     const u = await d.host.usage(p);

@@ -74,7 +74,13 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     // A frozen filesystem that is unmounted stays frozen, holding its device: thaw it first, unless it
     // is this node's fence (the volume was taken from it), which is never thawed.
     const thawable = lease !== undefined && !oursAt.some((m) => fenced.has(m.source));
-    if (thawable && !oursAt.every(isDeviceBind) && (await d.host.thaw(x, staging))) {
+    // One the kernel shut down after I/O errors cannot even be opened to ask: it is unmounted as it is.
+    const thawed = async (): Promise<boolean> =>
+      d.host.thaw(x, staging).catch(async (err: unknown) => {
+        if ((await d.host.pathKind(staging)) === 'unreachable') return false;
+        throw err;
+      });
+    if (thawable && !oursAt.every(isDeviceBind) && (await thawed())) {
       x.log.warn({ staging }, 'thawed a frozen filesystem before unmounting it');
     }
     table = await d.host.unmountAll(x, staging, on.mounts, shows(ours));

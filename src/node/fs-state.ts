@@ -1,0 +1,20 @@
+/**
+ * A mounted filesystem that stopped answering: the kernel shut it down after I/O errors (xfs: every
+ * look at its files fails with EIO; ext4: its mount shows `shutdown`). statfs still answers for both,
+ * so sizes alone would call it healthy. It can still be unmounted; staging it again checks it.
+ */
+import { conflict } from '../errors.js';
+import type { MountEntry } from '../host/host.js';
+import type { NodeDeps } from './on-host.js';
+
+/** Whether mount `m`'s filesystem stopped answering. */
+export const isDead = async (d: NodeDeps, m: MountEntry): Promise<boolean> =>
+  m.superOptions.includes('shutdown') || (await d.host.pathKind(m.mountPoint)) === 'unreachable';
+
+/** Refuses to use (publish, grow, answer a repeat stage for) a filesystem that stopped answering. */
+export async function refuseDeadFilesystem(d: NodeDeps, id: string, m: MountEntry): Promise<void> {
+  if (!(await isDead(d, m))) return;
+  throw conflict(
+    `The filesystem of volume ${id} at ${m.mountPoint} does not answer (the kernel stopped it after I/O errors); unpublish and unstage it, then stage it again, which checks it.`,
+  );
+}
