@@ -284,7 +284,12 @@ describe('NodeStageVolume', () => {
     expect(await w.host.claimed('/dev/loop0')).toBe(true);
     expect(await during(w, () => stage(w, id))).toEqual({
       code: 'OK',
-      ops: ['probe /dev/loop0', `mkdir ${STAGING}`, `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`, `thaw ${STAGING}`],
+      ops: [
+        'probe /dev/loop0',
+        `mkdir ${STAGING}`,
+        `mount ext4 /dev/loop0 ${STAGING} -o errors=remount-ro`,
+        `thaw ${STAGING}`,
+      ],
     });
     expect(w.host.frozen.size).toBe(0);
   });
