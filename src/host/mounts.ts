@@ -64,9 +64,12 @@ export function mountsAt(mounts: readonly MountEntry[], mountPoint: string): Mou
 }
 
 export const isReadOnlyMount = (m: MountEntry): boolean => m.options.includes('ro');
-/** A filesystem read-only underneath a mount that is not: the kernel turned it read-only after errors. */
+/**
+ * The kernel turned the filesystem read-only after errors: read-only underneath a mount that is not,
+ * or ext4's `emergency_ro` on recent kernels (6.18 here), which leaves the filesystem's own `rw` in place.
+ */
 export const wentReadOnly = (m: MountEntry): boolean =>
-  m.superOptions.includes('ro') && !m.options.includes('ro');
+  m.superOptions.includes('emergency_ro') || (m.superOptions.includes('ro') && !m.options.includes('ro'));
 
 /**
  * Unmounts every mount stacked on `mountPoint` (a path that is not mounted is fine), top first, and

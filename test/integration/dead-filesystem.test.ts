@@ -4,7 +4,8 @@
  * such errors, for xfs and ext4). Every look at an xfs's files then fails with EIO, and an ext4's mount
  * shows `shutdown`; statfs still answers for both. The volume must be reported abnormal, never used
  * (publish, repeat stage, growth), and still torn down cleanly, so its pod can go and the next stage
- * checks it: what was synced before the shutdown is there afterwards.
+ * checks it: what was synced before the shutdown is there afterwards. The same for an ext4 that an
+ * error turned read-only (errors=remount-ro; on recent kernels its mount shows `emergency_ro`, not `ro`).
  */
 import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
@@ -27,7 +28,7 @@ async function superOptions(mountPoint: string): Promise<string[] | undefined> {
   return line?.split(' - ')[1]?.split(' ')[2]?.split(',');
 }
 
-describe.skipIf(!isRoot())('a volume whose filesystem the kernel shut down', () => {
+describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () => {
   let d: DriverProcess;
   let base: string;
   beforeAll(async () => {
@@ -35,104 +36,141 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel shut down', () 
     d = await env.driver({ dir: base });
   });
 
-  it.each(['xfs', 'ext4'])(
-    '%s: reported abnormal, never used, torn down, and checked at the next stage with its data',
-    async (fsType) => {
-      const cap = mountCap(fsType);
-      const created = await d.clients.controller.CreateVolume({
-        name: `pvc-dead-${fsType}`,
-        capacity_range: { required_bytes: String(320 * MiB) },
-        volume_capabilities: [cap],
-      });
-      const id = created.volume?.volume_id ?? '';
-      const staging = path.join(base, `staging-${fsType}`);
-      const target = (n: number): string => path.join(base, `pod-${n}`, id);
-      await fs.mkdir(staging, { recursive: true });
-      await fs.mkdir(path.dirname(target(1)), { recursive: true });
-      await fs.mkdir(path.dirname(target(2)), { recursive: true });
-      const publish_context = (
-        await d.clients.controller.ControllerPublishVolume({
-          volume_id: id,
-          node_id: 'node-1',
-          volume_capability: cap,
-        })
-      ).publish_context;
-      const stage = () =>
+  /** A volume staged at its staging path and published at pod 1, with the calls the kubelet makes. */
+  async function volume(name: string, fsType: string) {
+    const cap = mountCap(fsType);
+    const created = await d.clients.controller.CreateVolume({
+      name,
+      capacity_range: { required_bytes: String(320 * MiB) },
+      volume_capabilities: [cap],
+    });
+    const id = created.volume?.volume_id ?? '';
+    const staging = path.join(base, `staging-${name}`);
+    const target = (n: number): string => path.join(base, `pod-${n}`, id);
+    await fs.mkdir(staging, { recursive: true });
+    await fs.mkdir(path.dirname(target(1)), { recursive: true });
+    await fs.mkdir(path.dirname(target(2)), { recursive: true });
+    const publish_context = (
+      await d.clients.controller.ControllerPublishVolume({
+        volume_id: id,
+        node_id: 'node-1',
+        volume_capability: cap,
+      })
+    ).publish_context;
+    const v = {
+      id,
+      staging,
+      target,
+      stage: () =>
         d.clients.node.NodeStageVolume({
           volume_id: id,
           staging_target_path: staging,
           volume_capability: cap,
           publish_context,
-        });
-      const publish = (n: number) =>
+        }),
+      publish: (n: number) =>
         d.clients.node.NodePublishVolume({
           volume_id: id,
           staging_target_path: staging,
           target_path: target(n),
           volume_capability: cap,
           publish_context,
+        }),
+      unpublish: (n: number) => d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target(n) }),
+      unstage: () => d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging }),
+      stats: async () =>
+        (await d.clients.node.NodeGetVolumeStats({ volume_id: id, volume_path: target(1) })).volume_condition,
+      /** ControllerExpandVolume, then NodeExpandVolume at pod 1: the node's answer. */
+      grow: async (): Promise<string> => {
+        const capacity_range = { required_bytes: String(400 * MiB) };
+        await d.clients.controller.ControllerExpandVolume({
+          volume_id: id,
+          capacity_range,
+          volume_capability: cap,
         });
-      const stats = async () =>
-        (await d.clients.node.NodeGetVolumeStats({ volume_id: id, volume_path: target(1) })).volume_condition;
-
-      await stage();
-      await publish(1);
-      if (fsType === 'ext4') expect(await superOptions(staging)).toContain('errors=remount-ro');
-      const sum = await writeRandom(path.join(target(1), 'kept'), 8, 17); // written and synced
-      expect(await stats()).toMatchObject({ abnormal: false });
-
-      execFileSync('xfs_io', ['-x', '-c', 'shutdown -f', staging]);
-
-      const condition = await stats();
-      expect(condition?.abnormal).toBe(true);
-      expect(condition?.message).toMatch(/does not answer/);
-      // The repeat of the stage that made it and a growth: refused, not OK.
-      const staged = await errorOf(stage());
-      expect(staged.code).toBe('FAILED_PRECONDITION');
-      expect(staged.details).toMatch(/does not answer/);
-      await d.clients.controller.ControllerExpandVolume({
-        volume_id: id,
-        capacity_range: { required_bytes: String(400 * MiB) },
-        volume_capability: cap,
-      });
-      expect(
-        await codeOf(
+        return codeOf(
           d.clients.node.NodeExpandVolume({
             volume_id: id,
             volume_path: target(1),
             staging_target_path: staging,
-            capacity_range: { required_bytes: String(400 * MiB) },
+            capacity_range,
             volume_capability: cap,
           }),
-        ),
-      ).toBe('FAILED_PRECONDITION');
+        );
+      },
+      /** Unpublished and unstaged, with no mount and no device of the image left (unstage twice: OK). */
+      tearDown: async () => {
+        await v.unpublish(1);
+        await v.unstage();
+        expect(await v.unstage()).toEqual({});
+        expect(await leaksUnder(path.join(d.poolDir, 'volumes', id))).toEqual({ mounts: [], loops: [] });
+        expect(await superOptions(staging)).toBeUndefined();
+      },
+      /** Staged and published again (checked at the stage): healthy, holding `file` with `sum`; then gone. */
+      staysWith: async (file: string, sum: string) => {
+        await v.stage();
+        await v.publish(1);
+        expect(await sha256(path.join(target(1), file))).toBe(sum);
+        expect(await v.stats()).toMatchObject({ abnormal: false });
+        await v.unpublish(1);
+        await v.unstage();
+        await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+        await d.clients.controller.DeleteVolume({ volume_id: id });
+        expect(await leaksUnder(base)).toEqual({ mounts: [], loops: [] });
+      },
+    };
+    await v.stage();
+    await v.publish(1);
+    return v;
+  }
 
+  it.each(['xfs', 'ext4'])(
+    '%s shut down: reported abnormal, never used, torn down, and checked at the next stage with its data',
+    async (fsType) => {
+      const v = await volume(`pvc-dead-${fsType}`, fsType);
+      if (fsType === 'ext4') expect(await superOptions(v.staging)).toContain('errors=remount-ro');
+      const sum = await writeRandom(path.join(v.target(1), 'kept'), 8, 17); // written and synced
+      expect(await v.stats()).toMatchObject({ abnormal: false });
+
+      execFileSync('xfs_io', ['-x', '-c', 'shutdown -f', v.staging]);
+
+      const condition = await v.stats();
+      expect(condition?.abnormal).toBe(true);
+      expect(condition?.message).toMatch(/does not answer/);
+      // The repeat of the stage that made it and a growth: refused, not OK.
+      const staged = await errorOf(v.stage());
+      expect(staged.code).toBe('FAILED_PRECONDITION');
+      expect(staged.details).toMatch(/does not answer/);
+      expect(await v.grow()).toBe('FAILED_PRECONDITION');
       // The pod goes: unpublish answers OK. Its successor on this node is not given the dead filesystem.
-      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target(1) });
-      expect(await superOptions(target(1))).toBeUndefined();
-      const published = await errorOf(publish(2));
+      await v.unpublish(1);
+      expect(await superOptions(v.target(1))).toBeUndefined();
+      const published = await errorOf(v.publish(2));
       expect(published.code).toBe('FAILED_PRECONDITION');
       expect(published.details).toMatch(/does not answer/);
-      expect(await superOptions(target(2))).toBeUndefined();
-      // Unstage answers OK and leaves no mount and no device of the image.
-      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-      expect(await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging })).toEqual(
-        {},
-      );
-      expect(await leaksUnder(path.join(d.poolDir, 'volumes', id))).toEqual({ mounts: [], loops: [] });
-      expect(await superOptions(staging)).toBeUndefined();
-      expect(await superOptions(target(1))).toBeUndefined();
-
-      // Staged again (its journal replayed, checked, grown): healthy, with what was synced.
-      await stage();
-      await publish(1);
-      expect(await sha256(path.join(target(1), 'kept'))).toBe(sum);
-      expect(await stats()).toMatchObject({ abnormal: false });
-      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target(1) });
-      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-      await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
-      await d.clients.controller.DeleteVolume({ volume_id: id });
-      expect(await leaksUnder(base)).toEqual({ mounts: [], loops: [] });
+      expect(await superOptions(v.target(2))).toBeUndefined();
+      await v.tearDown();
+      await v.staysWith('kept', sum); // its journal replayed, checked, grown
     },
   );
+
+  it('ext4 turned read-only by an error: reported abnormal, not grown, torn down, checked at the next stage', async () => {
+    const v = await volume('pvc-dead-ext4-error', 'ext4');
+    const sum = await writeRandom(path.join(v.target(1), 'kept'), 8, 23);
+    const source = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+      .split('\n')
+      .find((l) => l.split(' ')[4] === v.staging)
+      ?.split(' - ')[1]
+      ?.split(' ')[1];
+    // What ext4 does when it finds an inconsistency (its test hook: ext4_error).
+    await fs.writeFile(`/sys/fs/ext4/${path.basename(source ?? 'none')}/trigger_fs_error`, 'test error');
+    const options = await superOptions(v.staging);
+    expect(options?.includes('ro') || options?.includes('emergency_ro')).toBe(true);
+    const condition = await v.stats();
+    expect(condition?.abnormal).toBe(true);
+    expect(condition?.message).toMatch(/went read-only/);
+    expect(await v.grow()).toBe('FAILED_PRECONDITION');
+    await v.tearDown();
+    await v.staysWith('kept', sum); // e2fsck -p repairs what the error marked
+  });
 });
