@@ -2,9 +2,11 @@
  * Filesystems on a device: what is there (blkid -p decides), formatting a blank device (only), checking
  * an existing one, reading its size from the superblock, and growing it offline or online.
  */
+import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import { CommandError, type Exec } from '../exec/runner.js';
-import { unsafe } from '../errors.js';
+import { errnoCode, unsafe } from '../errors.js';
 import type { FsType } from '../pool/types.js';
 
 /**
@@ -303,4 +305,19 @@ export async function filesystemUsage(mountPoint: string): Promise<Usage> {
     totalInodes: st.files,
     freeInodes: st.ffree,
   };
+}
+
+/**
+ * The errors ext4 recorded on `device` (a /dev/loopN) since it was last checked (sysfs `errors_count`;
+ * e2fsck clears it), 0 when it is not a mounted ext4. Read synchronously, like every sysfs attribute.
+ */
+export function ext4Errors(device: string): number {
+  try {
+    return (
+      Number.parseInt(readFileSync(`/sys/fs/ext4/${path.basename(device)}/errors_count`, 'utf8'), 10) || 0
+    );
+  } catch (err) {
+    if (errnoCode(err) === 'ENOENT') return 0;
+    throw err;
+  }
 }

@@ -13,6 +13,7 @@ import {
   checkFilesystem,
   type DeviceContent,
   filesystemSize,
+  ext4Errors,
   filesystemUsage,
   flushDeviceBuffers,
   formatDevice,
@@ -120,6 +121,8 @@ export interface Host {
   growOffline(x: Exec, device: string): Promise<void>;
   growOnline(x: Exec, fsType: FsType, device: string, mountPoint: string): Promise<void>;
   usage(mountPoint: string): Promise<Usage>;
+  /** Errors an ext4 on `device` recorded since it was last checked (0 for other filesystems). */
+  ext4Errors(device: string): number;
 
   // Freezing
   freeze(x: Exec, mountPoint: string): Promise<void>;
@@ -169,6 +172,7 @@ export const kernelHost: Host = {
   growOffline: growExt4Offline,
   growOnline,
   usage: filesystemUsage,
+  ext4Errors,
   freeze,
   thaw,
   thawDevice,

@@ -81,10 +81,12 @@ export async function volumeStats(
     condition = abnormal('The filesystem went read-only, usually after I/O or consistency errors.');
   }
   // statfs still answers for an xfs or ext4 the kernel shut down; only its files show it.
-  if (await isDead(d, top)) {
+  if (!condition.abnormal && (await isDead(d, top))) {
     return {
       usage: [],
-      condition: abnormal('The filesystem does not answer: the kernel stopped it after I/O errors.'),
+      condition: abnormal(
+        'The filesystem does not answer: the kernel stopped it after I/O or consistency errors.',
+      ),
     };
   }
   try {

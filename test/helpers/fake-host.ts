@@ -410,6 +410,11 @@ export class FakeHost implements Host {
     this.fillDevice(device);
   }
 
+  /** No ext4 here ever records an error. */
+  ext4Errors(): number {
+    return 0;
+  }
+
   /** statfs: the filesystem's own size, a tenth of it used. */
   async usage(mountPoint: string): Promise<Usage> {
     await this.act(`usage ${mountPoint}`, '', false);

@@ -133,6 +133,13 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
       expect(await v.stats()).toMatchObject({ abnormal: false });
 
       execFileSync('xfs_io', ['-x', '-c', 'shutdown -f', v.staging]);
+      // A shut-down ext4 answers lstat and statfs; only its mount's `shutdown` shows it, which kernels
+      // 5.10 and 6.1 do not show (6.18 does). There, it is only taken down and checked again.
+      if (fsType === 'ext4' && !(await superOptions(v.staging))?.includes('shutdown')) {
+        await v.tearDown();
+        await v.staysWith('kept', sum);
+        return;
+      }
 
       const condition = await v.stats();
       expect(condition?.abnormal).toBe(true);
@@ -164,12 +171,22 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
       ?.split(' ')[1];
     // What ext4 does when it finds an inconsistency (its test hook: ext4_error).
     await fs.writeFile(`/sys/fs/ext4/${path.basename(source ?? 'none')}/trigger_fs_error`, 'test error');
-    const options = await superOptions(v.staging);
-    expect(options?.includes('ro') || options?.includes('emergency_ro')).toBe(true);
-    const condition = await v.stats();
+    // 5.10 and 6.1 stop it a moment after the error, not within it. 6.1 (and 6.18 with emergency_ro)
+    // leaves the filesystem's rw in place, and 6.1 shows nothing in the mount at all.
+    let condition = await v.stats();
+    for (let i = 0; i < 100 && condition?.abnormal !== true; i++) {
+      await new Promise((r) => setTimeout(r, 50));
+      condition = await v.stats();
+    }
     expect(condition?.abnormal).toBe(true);
-    expect(condition?.message).toMatch(/went read-only/);
+    expect(condition?.message).toMatch(/went read-only|does not answer/);
     expect(await v.grow()).toBe('FAILED_PRECONDITION');
+    // The pod goes; its successor on this node is not given the stopped filesystem.
+    await v.unpublish(1);
+    const published = await errorOf(v.publish(2));
+    expect(published.code).toBe('FAILED_PRECONDITION');
+    expect(published.details).toMatch(/does not answer/);
+    expect(await superOptions(v.target(2))).toBeUndefined();
     await v.tearDown();
     await v.staysWith('kept', sum); // e2fsck -p repairs what the error marked
   });
