@@ -173,9 +173,15 @@ export class ExecRunner implements Runner {
     args: readonly string[],
     options: RunOptions = {},
   ): Promise<RunResult> {
-    let timeout = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    const own = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    let timeout = own;
     if (!options.detached && scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
-      timeout = Math.min(timeout, Math.max(1, scope.deadline - Date.now() - DEADLINE_MARGIN_MS));
+      // A command is not started when the caller's deadline leaves no time for it and the undo: killed
+      // at once, it may still have done its work (a bind mount that took effect), and a caller that
+      // gives less than the margin gets its deadline's answer, not a failed command's.
+      const left = scope.deadline - Date.now() - DEADLINE_MARGIN_MS;
+      if (left < 1) throw new CallStopped('deadline');
+      timeout = Math.min(timeout, left);
     }
     const signals = [options.detached ? undefined : scope.signal, options.signal].filter(
       (x): x is AbortSignal => x !== undefined,
@@ -209,6 +215,8 @@ export class ExecRunner implements Runner {
     const line = { command, args, exitCode: result.exitCode, reason: err.reason, stderr, ms };
     if (options.quiet) scope.log.debug(line, 'command failed');
     else scope.log.warn(line, 'command failed');
+    // Cut short by the caller's deadline (its own limit was longer): the call ran out of time.
+    if (err.reason === 'timeout' && timeout < own) throw new CallStopped('deadline');
     throw err;
   }
 }

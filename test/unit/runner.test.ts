@@ -1,0 +1,61 @@
+/**
+ * The one place commands run, and the caller's deadline: a command is cut short so the call keeps
+ * time to undo what it did, and a command the deadline leaves no time for is never started (killed at
+ * once, it may still have done its work). Either way the answer is the deadline's, not a failed
+ * command's. A command's own, shorter limit is its own failure.
+ */
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { pino } from 'pino';
+import { afterAll, describe, expect, it } from 'vitest';
+import { bindExec, CallStopped, CommandError, ExecRunner } from '../../src/exec/runner.js';
+
+const log = pino({ level: 'silent' });
+const runner = new ExecRunner();
+let dir = '';
+afterAll(async () => {
+  if (dir) await fs.rm(dir, { recursive: true, force: true });
+});
+
+async function failure(p: Promise<unknown>): Promise<unknown> {
+  try {
+    await p;
+  } catch (err) {
+    return err;
+  }
+  throw new Error('expected the command to fail');
+}
+
+describe('commands and the caller deadline', () => {
+  it('starts no command when the deadline leaves less than the time to undo', async () => {
+    dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
+    const file = path.join(dir, 'made');
+    const x = bindExec(runner, { log, deadline: Date.now() + 300 });
+    const err = await failure(x.run('touch', [file]));
+    expect(err).toBeInstanceOf(CallStopped);
+    expect((err as CallStopped).reason).toBe('deadline');
+    await expect(fs.access(file)).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+
+  it('cuts a command short before the deadline, and answers with the deadline', async () => {
+    const x = bindExec(runner, { log, deadline: Date.now() + 800 });
+    const started = Date.now();
+    const err = await failure(x.run('sleep', ['5']));
+    expect(err).toBeInstanceOf(CallStopped);
+    expect((err as CallStopped).reason).toBe('deadline');
+    expect(Date.now() - started).toBeLessThan(2500);
+  });
+
+  it("reports a command's own, shorter limit as the command timing out", async () => {
+    const x = bindExec(runner, { log, deadline: Date.now() + 60_000 });
+    const err = await failure(x.run('sleep', ['5'], { timeoutMs: 200 }));
+    expect(err).toBeInstanceOf(CommandError);
+    expect((err as CommandError).reason).toBe('timeout');
+  });
+
+  it('runs a command to its end within the deadline', async () => {
+    const x = bindExec(runner, { log, deadline: Date.now() + 60_000 });
+    expect((await x.run('echo', ['ok'])).stdout).toBe('ok');
+  });
+});
