@@ -9,7 +9,7 @@ import type { Logger } from 'pino';
 import { type Config, servesController, servesNode } from './config.js';
 import { controllerService } from './csi/controller.js';
 import { groupService } from './csi/group.js';
-import { freeingSpaceIn } from './csi/space.js';
+import { freeingSpaceIn, withRoom } from './csi/space.js';
 import { nodeService, POOL_ID_KEY } from './csi/node.js';
 import { snapshotMetadataService } from './csi/snapshot-metadata.js';
 import { failedPrecondition } from './errors.js';
@@ -167,7 +167,8 @@ async function serveInto(
   if (servesNode(config)) {
     const nodeId = config.nodeId;
     if (nodeId === undefined) throw new Error('the node service needs --nodeid');
-    await nodes.register(nodeId, config.poolName, config.maxVolumesPerNode);
+    // On a full pool, the start-up writes take the reserve: a plugin that cannot start frees nothing.
+    await withRoom(reserve, () => nodes.register(nodeId, config.poolName, config.maxVolumesPerNode));
     const nodeDeps: NodeDeps = {
       nodeId,
       poolName: config.poolName,
@@ -188,10 +189,12 @@ async function serveInto(
     // A predecessor's freezes are declared over before anything is thawed, then thawed, then new
     // requests are answered.
     out.guard = new FenceGuard(nodeDeps, pool, inflight, runner, log);
-    await out.guard.prepare();
-    out.agent = new QuiesceAgent(nodeDeps, board, inflight, out.guard, runner, log);
-    await out.agent.prepare();
-    await thawLeftovers(nodeDeps, startup, out.guard);
+    const guard = out.guard;
+    await withRoom(reserve, () => guard.prepare());
+    const agent = new QuiesceAgent(nodeDeps, board, inflight, out.guard, runner, log);
+    out.agent = agent;
+    await withRoom(reserve, () => agent.prepare());
+    await withRoom(reserve, () => thawLeftovers(nodeDeps, startup, guard));
     out.agent.run();
     out.guard.run();
     out.node = freeingSpaceIn(nodeService(nodeDeps), ['NodeUnstageVolume', 'NodeUnpublishVolume'], reserve);

@@ -23,15 +23,7 @@ export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserv
       return {
         locks: p.locks,
         run: async (ctx) => {
-          let res: Res;
-          try {
-            res = await p.run(ctx);
-          } catch (err) {
-            if (!outOfSpace(err)) throw err;
-            // Given back now, or just before by a call failing beside this one: either way, once more.
-            await reserve.giveBack().catch(() => false);
-            res = await p.run(ctx);
-          }
+          const res = await withRoom(reserve, () => p.run(ctx));
           // Given back (by this process): whole again once there is room.
           void reserve.refillIfShort();
           return res;
@@ -39,6 +31,22 @@ export function freeingSpace<Req, Res>(m: Method<Req, Res>, reserve: SpaceReserv
       };
     },
   };
+}
+
+/**
+ * `step`, run once more after giving the reserve back when it failed for lack of space: a call that
+ * frees space, or a start-up write (a node's registration, its fence records) without which no call
+ * could run to free any.
+ */
+export async function withRoom<T>(reserve: SpaceReserve, step: () => Promise<T>): Promise<T> {
+  try {
+    return await step();
+  } catch (err) {
+    if (!outOfSpace(err)) throw err;
+    // Given back now, or just before by a call failing beside this one: either way, once more.
+    await reserve.giveBack().catch(() => false);
+    return step();
+  }
 }
 
 /** `table` with its methods named in `names` wrapped by freeingSpace. */

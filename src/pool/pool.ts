@@ -184,8 +184,8 @@ export class Pool {
       const id = isRecord(info) && typeof info.id === 'string' ? info.id : '';
       return new Pool(root, id, name, log, options.lock ?? {});
     }
-    if (options.create !== false) {
-      // The format file first: whoever creates it (link(2), so one process wins) names the pool.
+    if (options.create !== false && !(await exists(layout.formatFile))) {
+      // The format file first (link(2): one creator names the pool); its temp file needs room to spare.
       const created = await createExclusive(
         layout.formatFile,
         `${JSON.stringify({ format: POOL_FORMAT, id: randomUUID(), createdAt: new Date().toISOString(), createdBy: os.hostname() }, null, 2)}\n`,

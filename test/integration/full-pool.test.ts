@@ -10,6 +10,7 @@ import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
@@ -110,6 +111,77 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
       held = (await fs.stat(reserve)).blocks * 512;
     }
     expect(held).toBeGreaterThanOrEqual(4 * MiB);
+    await d.stop();
+  });
+});
+
+describe('a driver started on a full pool', () => {
+  /** A pool with a raw block volume staged and published on node-1, filled up, its driver killed. */
+  async function fullPoolLeftBehind(tag: string) {
+    const base = await env.dir(tag);
+    const scratch = await scratchFilesystem(base, 'ext4', 256);
+    env.declareOwn(scratch.mountPoint, scratch.device);
+    const poolDir = path.join(scratch.mountPoint, 'pool');
+    const first = await env.driver({ dir: base, poolDir });
+    const c = first.clients.controller;
+    const volume = { name: 'pvc-left', capacity_range: { required_bytes: String(16 * MiB) } };
+    const id =
+      (await c.CreateVolume({ ...volume, volume_capabilities: [blockCap()] })).volume?.volume_id ?? '';
+    await c.ControllerPublishVolume({ volume_id: id, node_id: 'node-1', volume_capability: blockCap() });
+    const staging = path.join(base, 'staging');
+    const target = path.join(base, 'pod', 'dev');
+    await stage(first, id, staging, blockCap());
+    await publish(first, id, staging, target, blockCap());
+    await fillUp(path.join(scratch.mountPoint, 'filler'));
+    await first.stop('SIGKILL');
+    return { base, poolDir, id, staging, target };
+  }
+
+  /** The kubelet's and the CO's calls that take the volume down and delete it: their answers. */
+  async function freeAll(d: DriverProcess, v: { id: string; staging: string; target: string }) {
+    return {
+      unpublish: await codeOf(d.clients.node.NodeUnpublishVolume({ volume_id: v.id, target_path: v.target })),
+      unstage: await codeOf(
+        d.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: v.staging }),
+      ),
+      controllerUnpublish: await codeOf(
+        d.clients.controller.ControllerUnpublishVolume({ volume_id: v.id, node_id: 'node-1' }),
+      ),
+      delete: await codeOf(d.clients.controller.DeleteVolume({ volume_id: v.id })),
+    };
+  }
+
+  // Before, every start wrote before serving (the pool's format file, the node's registration, its
+  // fence records) and died of ENOSPC: no plugin could start, so nothing could free space.
+  it('restarted, serves and frees space', async () => {
+    const left = await fullPoolLeftBehind('full-restart');
+    const d = await env.driver({ dir: left.base, poolDir: left.poolDir });
+    expect((await d.clients.identity.Probe({})).ready?.value).toBe(true);
+    expect(d.logs().some((l) => l.includes('gave back its space reserve'))).toBe(true);
+    expect(await freeAll(d, left)).toEqual({
+      unpublish: 'OK',
+      unstage: 'OK',
+      controllerUnpublish: 'OK',
+      delete: 'OK',
+    });
+    await d.stop();
+  });
+
+  it('as a new node plugin, joins the pool (its registration is a new record)', async () => {
+    const left = await fullPoolLeftBehind('full-join');
+    const { base, poolDir } = left;
+    const joined = await env.driver({
+      dir: base,
+      poolDir,
+      socket: path.join(base, 'node-2.sock'),
+      nodeId: 'node-2',
+      mode: 'node',
+    });
+    expect((await joined.clients.identity.Probe({})).ready?.value).toBe(true);
+    expect(joined.logs().some((l) => l.includes('gave back its space reserve'))).toBe(true);
+    await joined.stop();
+    const d = await env.driver({ dir: base, poolDir }); // node-1 again, to take its volume down
+    expect(Object.values(await freeAll(d, left))).toEqual(['OK', 'OK', 'OK', 'OK']);
     await d.stop();
   });
 });
