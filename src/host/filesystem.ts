@@ -231,18 +231,14 @@ export async function flushDeviceBuffers(x: Exec, device: string): Promise<void>
   await x.run('blockdev', ['--flushbufs', device], { timeoutMs: 30_000 });
 }
 
-/** How much smaller than its device a filesystem may be and still count as filling it, once grown. */
-export function growthSlack(deviceBytes: number): number {
-  return 4 * 2 ** 20 + Math.floor(deviceBytes * 0.005);
-}
-
 /**
  * Whether a filesystem of `fsBytes` is to be grown to its device: when it is short by more than what
  * mkfs and the grow tools leave unused at a device's end. That is a last ext4 block group too small to
  * keep: its overhead (a backup superblock, group descriptors growing by 64 bytes per 128 MiB, reserved
- * descriptor blocks, bitmaps, inode table) plus 50 blocks, measured at 5-6 MiB at 6-10 GiB; xfs and
- * btrfs fill their device. So 8 MiB plus 1 MiB per TiB, not a share of the size as the check after a
- * growth allows (4 MiB + 0.5%), which skipped growths of 5 GiB at 1 TiB.
+ * descriptor blocks, bitmaps, inode table) plus 50 blocks, measured at 5-6 MiB at 6-10 GiB and at
+ * 134-262 MiB; xfs and btrfs fill their device. So 8 MiB plus 1 MiB per TiB, not a share of the size
+ * (which skipped growths of 5 GiB at 1 TiB). The check after a growth uses the same rule: a tighter
+ * one failed growths that left such a group off, which the retry then took as done.
  */
 export function mustGrow(fsBytes: number | undefined, deviceBytes: number): boolean {
   return fsBytes !== undefined && fsBytes < deviceBytes - (8 * 2 ** 20 + Math.floor(deviceBytes / 2 ** 20));

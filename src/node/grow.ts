@@ -5,7 +5,7 @@
 import path from 'node:path';
 import { broken, conflict, missing, outsideRange } from '../errors.js';
 import type { Exec } from '../exec/runner.js';
-import { growthSlack, mustGrow, OnlineGrowthUnsupported } from '../host/filesystem.js';
+import { mustGrow, OnlineGrowthUnsupported } from '../host/filesystem.js';
 import type { LoopDevice } from '../host/host.js';
 import { isReadOnlyMount, wentReadOnly } from '../host/mounts.js';
 import { FS_TYPES, type FsType, isFsType } from '../pool/types.js';
@@ -33,8 +33,7 @@ export async function growMounted(
   mountPoint: string,
   { unlessUnknown = false }: { unlessUnknown?: boolean } = {},
 ): Promise<void> {
-  const fills = (n: number | undefined): boolean =>
-    n !== undefined && n >= loop.sizeBytes - growthSlack(loop.sizeBytes);
+  const fills = (n: number | undefined): boolean => n !== undefined && !mustGrow(n, loop.sizeBytes);
   const was = await d.host.mountedFilesystemSize(x, fsType, loop.path, mountPoint);
   if (was === undefined ? unlessUnknown : !mustGrow(was, loop.sizeBytes)) return;
   const before = (await d.host.usage(mountPoint)).totalBytes;
@@ -162,7 +161,7 @@ export async function checkAndGrowOffline(
   if (!small || fsType !== 'ext4') return small;
   await d.host.growOffline(x, loop.path);
   const grown = await d.host.filesystemSize('ext4', loop.path);
-  if (grown === undefined || grown < loop.sizeBytes - growthSlack(loop.sizeBytes)) {
+  if (grown === undefined || mustGrow(grown, loop.sizeBytes)) {
     throw broken(
       `resize2fs left the ext4 filesystem of volume ${id} at ${grown ?? 'an unreadable size'} on a ${loop.sizeBytes}-byte device.`,
     );

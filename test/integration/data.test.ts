@@ -319,17 +319,17 @@ describe.skipIf(!isRoot())('expansion', () => {
     d = await driver({ dir: base });
   });
 
-  async function expandMounted(fsType: string, from: number, to: number) {
+  async function expandMounted(fsType: string, from: number, to: number, name = `grow-${fsType}`) {
     const cap = mountCap(fsType);
     const id =
       (
         await d.clients.controller.CreateVolume({
-          name: `grow-${fsType}`,
+          name,
           volume_capabilities: [cap],
           capacity_range: { required_bytes: String(from) },
         })
       ).volume?.volume_id ?? '';
-    const u = await use(d, base, id, cap, `grow-${fsType}`);
+    const u = await use(d, base, id, cap, name);
     const sum = await writeRandom(path.join(u.target, 'keep.bin'), 16, 9);
     const before = await totalBytes(u.target);
     const ce = await d.clients.controller.ControllerExpandVolume({
@@ -386,6 +386,29 @@ describe.skipIf(!isRoot())('expansion', () => {
     expect(await sha256(path.join(again.target, 'keep.bin'))).toBe(sum);
     await again.done();
   });
+
+  // resize2fs leaves off a last block group too small to keep (about 6 MiB here): the stage that grew
+  // it answered INTERNAL, and its retry OK, when the check after the growth allowed less than the
+  // decision to grow did (a hostile tester's find).
+  it.each([
+    [100, 134],
+    [100, 262],
+  ])(
+    'grows ext4 from %i to %i MiB at its next stage, short only of a last group too small to keep',
+    async (from, to) => {
+      const { id, cap, u, sum, before } = await expandMounted(
+        'ext4',
+        from * MiB,
+        to * MiB,
+        `grow-ext4-${to}`,
+      );
+      await u.done();
+      const again = await use(d, base, id, cap, `grow-ext4-${to}-again`);
+      expect((await totalBytes(again.target)) - before).toBeGreaterThan((to - from - 8) * MiB * 0.8);
+      expect(await sha256(path.join(again.target, 'keep.bin'))).toBe(sum);
+      await again.done();
+    },
+  );
 
   it('refreshes a block volume and keeps a preallocated image preallocated', async () => {
     const id =
