@@ -167,8 +167,12 @@ async function serveInto(
   if (servesNode(config)) {
     const nodeId = config.nodeId;
     if (nodeId === undefined) throw new Error('the node service needs --nodeid');
-    // On a full pool, the start-up writes take the reserve: a plugin that cannot start frees nothing.
-    await withRoom(reserve, () => nodes.register(nodeId, config.poolName, config.maxVolumesPerNode));
+    // On a full pool, the start-up writes of a node with volumes published to it take the reserve: a
+    // plugin that cannot start frees nothing. One with none (joining) has nothing to free: it fails to
+    // start, as it would without a reserve, and leaves the reserve to those that do.
+    const mayFree = (await nodes.attachedVolumes(nodeId)).length > 0;
+    const room = <T>(step: () => Promise<T>): Promise<T> => (mayFree ? withRoom(reserve, step) : step());
+    await room(() => nodes.register(nodeId, config.poolName, config.maxVolumesPerNode));
     const nodeDeps: NodeDeps = {
       nodeId,
       poolName: config.poolName,
@@ -190,11 +194,11 @@ async function serveInto(
     // requests are answered.
     out.guard = new FenceGuard(nodeDeps, pool, inflight, runner, log);
     const guard = out.guard;
-    await withRoom(reserve, () => guard.prepare());
+    await room(() => guard.prepare());
     const agent = new QuiesceAgent(nodeDeps, board, inflight, out.guard, runner, log);
     out.agent = agent;
-    await withRoom(reserve, () => agent.prepare());
-    await withRoom(reserve, () => thawLeftovers(nodeDeps, startup, guard));
+    await room(() => agent.prepare());
+    await room(() => thawLeftovers(nodeDeps, startup, guard));
     out.agent.run();
     out.guard.run();
     out.node = freeingSpaceIn(nodeService(nodeDeps), ['NodeUnstageVolume', 'NodeUnpublishVolume'], reserve);

@@ -167,20 +167,21 @@ describe('a driver started on a full pool', () => {
     await d.stop();
   });
 
-  it('as a new node plugin, joins the pool (its registration is a new record)', async () => {
+  it('as a new node plugin, with nothing to free, fails to start and leaves the reserve to one that has', async () => {
     const left = await fullPoolLeftBehind('full-join');
     const { base, poolDir } = left;
-    const joined = await env.driver({
+    const joining = env.driver({
       dir: base,
       poolDir,
       socket: path.join(base, 'node-2.sock'),
       nodeId: 'node-2',
       mode: 'node',
     });
-    expect((await joined.clients.identity.Probe({})).ready?.value).toBe(true);
-    expect(joined.logs().some((l) => l.includes('gave back its space reserve'))).toBe(true);
-    await joined.stop();
-    const d = await env.driver({ dir: base, poolDir }); // node-1 again, to take its volume down
+    await expect(joining).rejects.toThrow(/did not start/);
+    expect((await fs.stat(path.join(poolDir, 'reserve'))).blocks * 512).toBeGreaterThanOrEqual(4 * MiB);
+    // node-1, which has a volume to free, starts with it and frees it.
+    const d = await env.driver({ dir: base, poolDir });
+    expect(d.logs().some((l) => l.includes('gave back its space reserve'))).toBe(true);
     expect(Object.values(await freeAll(d, left))).toEqual(['OK', 'OK', 'OK', 'OK']);
     await d.stop();
   });
