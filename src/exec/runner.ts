@@ -41,6 +41,8 @@ export interface RunScope {
   signal?: AbortSignal;
   /** Epoch milliseconds; Infinity when the caller set no deadline. */
   deadline?: number;
+  /** Undo and shared readings (detached): their deadline is their own, not a caller's. */
+  own?: true;
 }
 
 export class CommandError extends Error {
@@ -96,7 +98,7 @@ export const CLEANUP_MS = 30_000;
  * deadline (a call cancelled half-way must still undo what it did), with a short deadline of its own.
  */
 export function detached(x: Exec, ms = CLEANUP_MS): Exec {
-  return bindExec(x.runner, { log: x.log, deadline: Date.now() + ms });
+  return bindExec(x.runner, { log: x.log, deadline: Date.now() + ms, own: true });
 }
 
 /** Thrown at a step boundary once the caller cancelled the call or its deadline passed. */
@@ -175,13 +177,15 @@ export class ExecRunner implements Runner {
   ): Promise<RunResult> {
     const own = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
     let timeout = own;
+    const callers = scope.own !== true;
     if (!options.detached && scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
       // A command is not started when the caller's deadline leaves no time for it and the undo: killed
       // at once, it may still have done its work (a bind mount that took effect), and a caller that
-      // gives less than the margin gets its deadline's answer, not a failed command's.
+      // gives less than the margin gets its deadline's answer, not a failed command's. An undo's or a
+      // shared reading's own deadline stays a limit on its commands, which fail as commands.
       const left = scope.deadline - Date.now() - DEADLINE_MARGIN_MS;
-      if (left < 1) throw new CallStopped('deadline');
-      timeout = Math.min(timeout, left);
+      if (left < 1 && callers) throw new CallStopped('deadline');
+      timeout = Math.min(timeout, Math.max(1, left));
     }
     const signals = [options.detached ? undefined : scope.signal, options.signal].filter(
       (x): x is AbortSignal => x !== undefined,
@@ -216,7 +220,7 @@ export class ExecRunner implements Runner {
     if (options.quiet) scope.log.debug(line, 'command failed');
     else scope.log.warn(line, 'command failed');
     // Cut short by the caller's deadline (its own limit was longer): the call ran out of time.
-    if (err.reason === 'timeout' && timeout < own) throw new CallStopped('deadline');
+    if (err.reason === 'timeout' && timeout < own && callers) throw new CallStopped('deadline');
     throw err;
   }
 }

@@ -9,7 +9,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
-import { bindExec, CallStopped, CommandError, ExecRunner } from '../../src/exec/runner.js';
+import { bindExec, CallStopped, CommandError, detached, ExecRunner } from '../../src/exec/runner.js';
 
 const log = pino({ level: 'silent' });
 const runner = new ExecRunner();
@@ -50,6 +50,13 @@ describe('commands and the caller deadline', () => {
   it("reports a command's own, shorter limit as the command timing out", async () => {
     const x = bindExec(runner, { log, deadline: Date.now() + 60_000 });
     const err = await failure(x.run('sleep', ['5'], { timeoutMs: 200 }));
+    expect(err).toBeInstanceOf(CommandError);
+    expect((err as CommandError).reason).toBe('timeout');
+  });
+
+  it("keeps an undo's own deadline a limit on its commands, which fail as commands", async () => {
+    const caller = bindExec(runner, { log, deadline: Date.now() + 100 });
+    const err = await failure(detached(caller, 700).run('sleep', ['5']));
     expect(err).toBeInstanceOf(CommandError);
     expect((err as CommandError).reason).toBe('timeout');
   });
