@@ -134,7 +134,11 @@ export async function formatDevice(
  */
 export async function checkFilesystem(x: Exec, fsType: FsType, device: string, force = false): Promise<void> {
   if (fsType !== 'ext4') return;
-  const args = force ? ['-f', '-p', device] : ['-p', device];
+  // Errors recorded in the superblock (s_error_count) are cleared only by a full check, which -p skips
+  // on a filesystem marked clean: the count would then say "stopped" at every mount (fs-state.ts).
+  const sb = await readAt(device, 1024, 1024);
+  const errors = sb.length >= 1024 && sb.readUInt16LE(0x38) === 0xef53 ? sb.readUInt32LE(0x194) : 0;
+  const args = force || errors > 0 ? ['-f', '-p', device] : ['-p', device];
   const { exitCode } = await x.run('e2fsck', args, { ...UNINTERRUPTIBLE, okCodes: [0, 1, 2, 4, 8] });
   if (exitCode >= 4) {
     throw unsafe(

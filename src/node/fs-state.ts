@@ -9,13 +9,25 @@ import type { MountEntry } from '../host/host.js';
 import type { NodeDeps } from './on-host.js';
 
 /**
- * Whether mount `m`'s filesystem stopped answering. An ext4 mounted errors=remount-ro stopped at its
- * first error: on 6.1 the kernel then sets its shutdown flag, which neither its mount (no `ro`, no
- * `shutdown`) nor lstat or statfs show; only the error count does.
+ * An ext4 that recorded an error since the stage's check (which clears the count): mounted
+ * errors=remount-ro, as the driver mounts it, it stopped there, and on 6.1 nothing in its mount shows
+ * it (no `ro`, no `shutdown`; the kernel sets its shutdown flag). Under errors=continue it keeps
+ * running, but a filesystem with an error found since its check is not handed to another pod until
+ * the next stage checks it either. Not a read-only staging (a read-only mount of a read-only
+ * superblock): it is never checked, so its count may be old. One an error turned `ro` (5.10) is still
+ * mounted read-write.
  */
+function ext4Stopped(d: NodeDeps, m: MountEntry): boolean {
+  const o = m.superOptions;
+  if (m.fsType !== 'ext4' || o.includes('errors=continue')) return false;
+  if (o.includes('ro') && m.options.includes('ro')) return false;
+  return d.host.ext4Errors(m.source) > 0;
+}
+
+/** Whether mount `m`'s filesystem stopped answering. */
 export const isDead = async (d: NodeDeps, m: MountEntry): Promise<boolean> =>
   m.superOptions.includes('shutdown') ||
-  (m.fsType === 'ext4' && m.superOptions.includes('errors=remount-ro') && d.host.ext4Errors(m.source) > 0) ||
+  ext4Stopped(d, m) ||
   (await d.host.pathKind(m.mountPoint)) === 'unreachable';
 
 /** Refuses to use (publish, grow, answer a repeat stage for) a filesystem that stopped answering. */

@@ -11,7 +11,7 @@ import {
   OnlineGrowthUnsupported,
   probeDevice,
 } from '../../src/host/filesystem.js';
-import { parseMountInfo } from '../../src/host/mounts.js';
+import { type MountEntry, parseMountInfo, wentReadOnly } from '../../src/host/mounts.js';
 import { DomainError } from '../../src/errors.js';
 import { codeName, toStatus } from '../../src/server/status.js';
 import { fakeContext, ScriptedRunner } from '../helpers/fake-runner.js';
@@ -247,6 +247,25 @@ describe('mounts', () => {
     expect(stageMountOptions('xfs', true, [])).toEqual(['ro', 'norecovery', 'nouuid']);
     expect(stageMountOptions('ext4', true, ['rw'])).toEqual(['ro', 'noload']);
     expect(stageMountOptions('btrfs', false, [])).toEqual([]);
+  });
+
+  it('sees a filesystem the kernel turned read-only after errors, ext4 emergency_ro included', () => {
+    const at = (options: string[], superOptions: string[]): MountEntry => ({
+      id: 1,
+      parent: 0,
+      majorMinor: '7:0',
+      root: '/',
+      mountPoint: '/staging',
+      options,
+      fsType: 'ext4',
+      source: '/dev/loop0',
+      superOptions,
+    });
+    expect(wentReadOnly(at(['rw'], ['ro', 'errors=remount-ro']))).toBe(true);
+    expect(wentReadOnly(at(['rw'], ['rw', 'errors=remount-ro', 'emergency_ro']))).toBe(true);
+    expect(wentReadOnly(at(['ro'], ['rw', 'emergency_ro']))).toBe(true);
+    expect(wentReadOnly(at(['ro'], ['ro']))).toBe(false);
+    expect(wentReadOnly(at(['rw'], ['rw', 'errors=remount-ro']))).toBe(false);
   });
 
   it('mounts a writable ext4 read-only on errors, unless the StorageClass says how', () => {
