@@ -218,4 +218,32 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
     );
     await v.staysWith('kept', sum);
   });
+
+  it('a read-only staging of an ext4 whose superblock counts errors is published as it is (it is never checked)', async () => {
+    const v = await volume('pvc-ext4-ro-old-errors', 'ext4');
+    const sum = await writeRandom(path.join(v.target(1), 'kept'), 4, 31);
+    await v.tearDown();
+    const image = path.join(d.poolDir, 'volumes', v.id, 'disk.img');
+    execFileSync('debugfs', ['-w', '-R', 'ssv error_count 3', image], { stdio: 'ignore' });
+    const c = d.clients.controller;
+    const cap = mountCap('ext4');
+    await c.ControllerUnpublishVolume({ volume_id: v.id, node_id: 'node-1' });
+    const { publish_context } = await c.ControllerPublishVolume({
+      volume_id: v.id,
+      node_id: 'node-1',
+      volume_capability: cap,
+      readonly: true,
+    });
+    const req = { volume_id: v.id, staging_target_path: v.staging, volume_capability: cap, publish_context };
+    await d.clients.node.NodeStageVolume(req);
+    expect(await d.clients.node.NodeStageVolume(req)).toEqual({}); // the repeat too
+    await d.clients.node.NodePublishVolume({ ...req, target_path: v.target(1) });
+    expect(await sha256(path.join(v.target(1), 'kept'))).toBe(sum);
+    expect(await v.stats()).toMatchObject({ abnormal: false });
+    await v.unpublish(1);
+    await v.unstage();
+    await c.ControllerUnpublishVolume({ volume_id: v.id, node_id: 'node-1' });
+    await c.DeleteVolume({ volume_id: v.id });
+    expect(await leaksUnder(base)).toEqual({ mounts: [], loops: [] });
+  });
 });
