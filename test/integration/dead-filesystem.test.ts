@@ -226,7 +226,7 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
     const image = path.join(d.poolDir, 'volumes', v.id, 'disk.img');
     execFileSync('debugfs', ['-w', '-R', 'ssv error_count 3', image], { stdio: 'ignore' });
     const c = d.clients.controller;
-    const cap = mountCap('ext4');
+    const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY'); // staged read-only, without journal replay
     await c.ControllerUnpublishVolume({ volume_id: v.id, node_id: 'node-1' });
     const { publish_context } = await c.ControllerPublishVolume({
       volume_id: v.id,
@@ -237,6 +237,10 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
     const req = { volume_id: v.id, staging_target_path: v.staging, volume_capability: cap, publish_context };
     await d.clients.node.NodeStageVolume(req);
     expect(await d.clients.node.NodeStageVolume(req)).toEqual({}); // the repeat too
+    const staged = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+      .split('\n')
+      .find((l) => l.split(' ')[4] === v.staging);
+    expect(staged?.split(' ')[5]?.split(',')).toContain('ro');
     await d.clients.node.NodePublishVolume({ ...req, target_path: v.target(1) });
     expect(await sha256(path.join(v.target(1), 'kept'))).toBe(sum);
     expect(await v.stats()).toMatchObject({ abnormal: false });
