@@ -119,7 +119,6 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
         !isDeviceBind(m) &&
         !isReadOnlyMount(m) &&
         !m.superOptions.includes('ro') &&
-        !wentReadOnly(m) &&
         loopOfMount(m, [loop]) !== undefined &&
         !on.mounts.slice(i + 1).some((above) => above.mountPoint === m.mountPoint),
     );

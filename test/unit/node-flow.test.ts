@@ -1253,6 +1253,22 @@ describe('NodeExpandVolume', () => {
     });
   });
 
+  it('does not grow a filesystem a pod has read-only once an error stopped it (ext4 emergency_ro, rw left in place)', async () => {
+    const w = await world();
+    const { id, image } = await newVolume(w);
+    await stage(w, id);
+    await publish(w, id, undefined, true);
+    for (const m of w.host.table) if (m.source === '/dev/loop0') m.superOptions = ['rw', 'emergency_ro'];
+    await fs.truncate(image, 2 * SIZE);
+    const { code, ops } = await during(w, () =>
+      expandVolume(w.d, w.x, { id, volumePath: TARGET, requiredBytes: 2 * SIZE, limitBytes: 0 }),
+    );
+    expect({ code, grew: ops.filter((op) => op.startsWith('grow')) }).toEqual({
+      code: 'FAILED_PRECONDITION',
+      grew: [],
+    });
+  });
+
   it('refuses a limit below the image without growing a raw block device (its refresh is the growth)', async () => {
     const w = await world();
     const { id, image } = await newVolume(w);
