@@ -175,8 +175,8 @@ export class ExecRunner implements Runner {
     args: readonly string[],
     options: RunOptions = {},
   ): Promise<RunResult> {
-    const own = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
-    let timeout = own;
+    const limit = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    let timeout = limit;
     const callers = scope.own !== true;
     if (!options.detached && scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
       // A command is not started when the caller's deadline leaves no time for it and the undo: killed
@@ -220,7 +220,7 @@ export class ExecRunner implements Runner {
     if (options.quiet) scope.log.debug(line, 'command failed');
     else scope.log.warn(line, 'command failed');
     // Cut short by the caller's deadline (its own limit was longer): the call ran out of time.
-    if (err.reason === 'timeout' && timeout < own && callers) throw new CallStopped('deadline');
+    if (err.reason === 'timeout' && timeout < limit && callers) throw new CallStopped('deadline');
     throw err;
   }
 }

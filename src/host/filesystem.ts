@@ -2,12 +2,12 @@
  * Filesystems on a device: what is there (blkid -p decides), formatting a blank device (only), checking
  * an existing one, reading its size from the superblock, and growing it offline or online.
  */
-import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { CommandError, type Exec } from '../exec/runner.js';
-import { errnoCode, unsafe } from '../errors.js';
+import { unsafe } from '../errors.js';
 import type { FsType } from '../pool/types.js';
+import { readSys } from './loop.js';
 
 /**
  * mkfs, fsck and resize leave a filesystem half-written when killed midway, so they are never killed
@@ -136,8 +136,7 @@ export async function checkFilesystem(x: Exec, fsType: FsType, device: string, f
   if (fsType !== 'ext4') return;
   // Errors recorded in the superblock (s_error_count) are cleared only by a full check, which -p skips
   // on a filesystem marked clean: the count would then say "stopped" at every mount (fs-state.ts).
-  const sb = await readAt(device, 1024, 1024);
-  const errors = sb.length >= 1024 && sb.readUInt16LE(0x38) === 0xef53 ? sb.readUInt32LE(0x194) : 0;
+  const errors = (await ext4Superblock(device))?.readUInt32LE(0x194) ?? 0;
   const args = force || errors > 0 ? ['-f', '-p', device] : ['-p', device];
   const { exitCode } = await x.run('e2fsck', args, { ...UNINTERRUPTIBLE, okCodes: [0, 1, 2, 4, 8] });
   if (exitCode >= 4) {
@@ -145,6 +144,12 @@ export async function checkFilesystem(x: Exec, fsType: FsType, device: string, f
       `The ext4 filesystem on ${device} has errors that need a manual e2fsck (exit status ${exitCode}); it was not mounted.`,
     );
   }
+}
+
+/** The ext4 superblock on `device`, or undefined when it holds none. */
+async function ext4Superblock(device: string): Promise<Buffer | undefined> {
+  const sb = await readAt(device, 1024, 1024);
+  return sb.length === 1024 && sb.readUInt16LE(0x38) === 0xef53 ? sb : undefined;
 }
 
 /** Reads `length` bytes at `offset` from a device. */
@@ -178,8 +183,8 @@ export async function mkfsUnfinished(fsType: FsType, device: string): Promise<bo
 export async function filesystemSize(fsType: FsType, device: string): Promise<number | undefined> {
   switch (fsType) {
     case 'ext4': {
-      const sb = await readAt(device, 1024, 1024);
-      if (sb.length < 1024 || sb.readUInt16LE(0x38) !== 0xef53) return undefined;
+      const sb = await ext4Superblock(device);
+      if (!sb) return undefined;
       const blockSize = 1024 * 2 ** sb.readUInt32LE(0x18);
       const lo = sb.readUInt32LE(0x04);
       const incompat = sb.readUInt32LE(0x60);
@@ -312,12 +317,5 @@ export async function filesystemUsage(mountPoint: string): Promise<Usage> {
  * e2fsck clears it), 0 when it is not a mounted ext4. Read synchronously, like every sysfs attribute.
  */
 export function ext4Errors(device: string): number {
-  try {
-    return (
-      Number.parseInt(readFileSync(`/sys/fs/ext4/${path.basename(device)}/errors_count`, 'utf8'), 10) || 0
-    );
-  } catch (err) {
-    if (errnoCode(err) === 'ENOENT') return 0;
-    throw err;
-  }
+  return Number(readSys(`/sys/fs/ext4/${path.basename(device)}/errors_count`) ?? 0) || 0;
 }

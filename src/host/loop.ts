@@ -54,7 +54,7 @@ const DELETED_SUFFIX = ' (deleted)';
  * and 5 reads each for the attached), which through the thread pool cost far more than the reads
  * themselves, and more the more calls scan at once.
  */
-function readSys(file: string): string | undefined {
+export function readSys(file: string): string | undefined {
   try {
     return readFileSync(file, 'utf8').trim();
   } catch (err) {

@@ -5,7 +5,7 @@
  * can still be unmounted; staging it again checks it.
  */
 import { conflict } from '../errors.js';
-import type { MountEntry } from '../host/host.js';
+import type { MountEntry, PathKind } from '../host/host.js';
 import type { NodeDeps } from './on-host.js';
 
 /**
@@ -24,11 +24,11 @@ function ext4Stopped(d: NodeDeps, m: MountEntry): boolean {
   return d.host.ext4Errors(m.source) > 0;
 }
 
-/** Whether mount `m`'s filesystem stopped answering. */
-export const isDead = async (d: NodeDeps, m: MountEntry): Promise<boolean> =>
+/** Whether mount `m`'s filesystem stopped answering; `kind`: what its mount point is, when just read. */
+export const isDead = async (d: NodeDeps, m: MountEntry, kind?: PathKind): Promise<boolean> =>
   m.superOptions.includes('shutdown') ||
   ext4Stopped(d, m) ||
-  (await d.host.pathKind(m.mountPoint)) === 'unreachable';
+  (kind ?? (await d.host.pathKind(m.mountPoint))) === 'unreachable';
 
 /** Refuses to use (publish, grow, answer a repeat stage for) a filesystem that stopped answering. */
 export async function refuseDeadFilesystem(d: NodeDeps, id: string, m: MountEntry): Promise<void> {

@@ -39,7 +39,8 @@ export async function volumeStats(
   const notHere = missing(`Volume ${r.id} is not published at ${r.volumePath}.`);
   if (!path.isAbsolute(r.volumePath)) throw notHere;
   const p = await callerPath(d, r.volumePath, 'volume_path');
-  if ((await d.host.pathKind(p)) === 'absent') throw notHere;
+  const kind = await d.host.pathKind(p);
+  if (kind === 'absent') throw notHere;
   // A device this node's lease records at its staging path is the volume's, even when the image's
   // identity no longer shows it (the pool was mounted again here), as stage and publish take it.
   const { on } = await leaseView(d, await lookAtHost(d, x, r.id));
@@ -81,7 +82,7 @@ export async function volumeStats(
     condition = abnormal('The filesystem went read-only, usually after I/O or consistency errors.');
   }
   // statfs still answers for an xfs or ext4 the kernel shut down; only its files show it.
-  if (!condition.abnormal && (await isDead(d, top))) {
+  if (!condition.abnormal && (await isDead(d, top, kind))) {
     return {
       usage: [],
       condition: abnormal(
