@@ -14,6 +14,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
+import { type MountEntry, parseMountInfo } from '../../src/host/mounts.js';
 import { isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
@@ -21,12 +22,14 @@ afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
 
-/** The super options of the mount at `mountPoint` (mountinfo's last field), or undefined. */
-async function superOptions(mountPoint: string): Promise<string[] | undefined> {
-  const lines = (await fs.readFile('/proc/self/mountinfo', 'utf8')).split('\n');
-  const line = lines.filter((l) => l.split(' ')[4] === mountPoint).at(-1);
-  return line?.split(' - ')[1]?.split(' ')[2]?.split(',');
+/** The visible mount at `mountPoint`, as the driver reads mountinfo, or undefined. */
+async function mountAt(mountPoint: string): Promise<MountEntry | undefined> {
+  const table = parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8'));
+  return table.filter((m) => m.mountPoint === mountPoint).at(-1);
 }
+
+/** The super options of the mount at `mountPoint`, or undefined. */
+const superOptions = async (mountPoint: string) => (await mountAt(mountPoint))?.superOptions;
 
 describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () => {
   let d: DriverProcess;
@@ -176,11 +179,7 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
         await v.publish(1);
       }
       const sum = await writeRandom(path.join(v.target(1), 'kept'), 8, 23);
-      const source = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-        .split('\n')
-        .find((l) => l.split(' ')[4] === v.staging)
-        ?.split(' - ')[1]
-        ?.split(' ')[1];
+      const source = (await mountAt(v.staging))?.source;
       // What ext4 does when it finds an inconsistency (its test hook: ext4_error).
       await fs.writeFile(`/sys/fs/ext4/${path.basename(source ?? 'none')}/trigger_fs_error`, 'test error');
       // 5.10 and 6.1 stop it a moment after the error, not within it. 6.1 (and 6.18 with emergency_ro)
@@ -237,10 +236,7 @@ describe.skipIf(!isRoot())('a volume whose filesystem the kernel stopped', () =>
     const req = { volume_id: v.id, staging_target_path: v.staging, volume_capability: cap, publish_context };
     await d.clients.node.NodeStageVolume(req);
     expect(await d.clients.node.NodeStageVolume(req)).toEqual({}); // the repeat too
-    const staged = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-      .split('\n')
-      .find((l) => l.split(' ')[4] === v.staging);
-    expect(staged?.split(' ')[5]?.split(',')).toContain('ro');
+    expect((await mountAt(v.staging))?.options).toContain('ro');
     await d.clients.node.NodePublishVolume({ ...req, target_path: v.target(1) });
     expect(await sha256(path.join(v.target(1), 'kept'))).toBe(sum);
     expect(await v.stats()).toMatchObject({ abnormal: false });
