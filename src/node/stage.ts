@@ -11,7 +11,7 @@
  * or past its deadline): the undo runs detached from the caller's cancellation.
  */
 import { broken, conflict, invalid } from '../errors.js';
-import { checkpoint, detached, type Exec } from '../exec/runner.js';
+import { checkpoint, CommandError, detached, type Exec } from '../exec/runner.js';
 import { failpoint, pausepoint } from '../failpoints.js';
 import type { LoopDevice } from '../host/host.js';
 import { mountErrorLine } from '../host/mounts.js';
@@ -291,6 +291,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       await d.host.mount(x, { fsType, source: loop.path, target: staging, options });
     } catch (err) {
       checkpoint(x); // a mount killed because the caller gave up: say that, not "mount failed"
+      // One never started (CallStopped: the deadline left no time for it) is the deadline's answer.
+      if (!(err instanceof CommandError)) throw err;
       const flags = r.cap.mountFlags.length > 0 ? ` (mount flags: ${r.cap.mountFlags.join(',')})` : '';
       const why = mountErrorLine(err);
       throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);

@@ -7,7 +7,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { conflict } from '../../src/errors.js';
-import { bindExec } from '../../src/exec/runner.js';
+import { bindExec, CallStopped } from '../../src/exec/runner.js';
 import { OnlineGrowthUnsupported } from '../../src/host/filesystem.js';
 import { expandVolume } from '../../src/node/grow.js';
 import { stageVolume } from '../../src/node/stage.js';
@@ -559,6 +559,20 @@ describe('a stage that fails undoes what it did', () => {
     expect(await w.volumes.isInitialized(id)).toBe(false);
     await expectNothingLeft(w, id);
   });
+
+  // The runner starts no command that the caller's deadline leaves no time for (it throws CallStopped
+  // while the deadline itself is still ahead): the answer is the deadline's, never a failed step's.
+  it.each(['attach', 'probe', 'format', 'mount'])(
+    'answers DEADLINE_EXCEEDED when %s is not started for lack of time, and undoes it all',
+    async (op) => {
+      const w = await world();
+      const { id } = await newVolume(w);
+      w.host.failNext(op, new CallStopped('deadline'));
+      expect(await codeOf(stage(w, id))).toBe('DEADLINE_EXCEEDED');
+      await expectNothingLeft(w, id);
+      expect(await codeOf(stage(w, id))).toBe('OK');
+    },
+  );
 
   it('undoes its lease only once the record naming the device is written, when the probe fails first', async () => {
     const w = await world();
