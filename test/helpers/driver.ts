@@ -72,6 +72,12 @@ export function runMain(args: string[]): Promise<{ code: number | null; stdout: 
   });
 }
 
+/**
+ * Every driver this test file started, with its log so far: a failed test prints what each wrote
+ * while it ran (test/helpers/failure-logs.ts).
+ */
+export const started: { endpoint: string; logs: () => string[]; stderr: () => string }[] = [];
+
 export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> {
   const { args, socket, poolDir } = driverArgs(a);
   const argv = [...(a.wrap ?? []), process.execPath, MAIN, ...args];
@@ -108,13 +114,15 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
     proc.kill('SIGKILL');
     throw new Error(`driver did not start (exit ${String(exitCode)}): ${err}\n${out}`);
   }
+  const logs = (): string[] => out.split('\n').filter(Boolean);
+  started.push({ endpoint, logs, stderr: () => err });
   return {
     proc,
     endpoint,
     socket,
     poolDir,
     clients,
-    logs: () => out.split('\n').filter(Boolean),
+    logs,
     async waitForLog(match) {
       for (let i = 0; i < 100; i++) {
         if (out.split('\n').some((l) => l !== '' && match(l))) return true;
