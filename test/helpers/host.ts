@@ -5,6 +5,7 @@
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import path from 'node:path';
 import { pino } from 'pino';
 import { bindExec, ExecRunner } from '../../src/exec/runner.js';
@@ -254,4 +255,36 @@ export function frozen(mp: string): boolean {
   }
   execFileSync('fsfreeze', ['--unfreeze', mp]);
   return false;
+}
+
+/**
+ * The command line (argv) that runs what follows it in a mount namespace of its own, as a node plugin
+ * in its own container: `propagation` as unshare(1) takes it. A new namespace starts as a copy of this
+ * one, with every mount that other test files running beside this one have at that instant; such a
+ * copy would keep their filesystems, and so their loop devices, held until this namespace ends (an
+ * unmount on the host does not reach a private copy), and their unstage could not detach them. So,
+ * inside the new namespace and before the command, the copies of every test's mount (anything under
+ * the temporary directory's "loopvol-" entries) except those under `keep` are unmounted there. A
+ * shared copy (`unchanged` on a host whose mounts are shared) is left alone: an unmount of it would
+ * reach the host's own, and the host's unmounts reach it anyway.
+ */
+export function ownMountNamespace(keep: string, propagation: 'private' | 'unchanged' = 'private'): string[] {
+  const script =
+    `awk -v tmp="$1/loopvol-" -v keep="$2" ` +
+    `'index($5, tmp) == 1 && $5 != keep && index($5, keep "/") != 1 && $0 !~ / shared:[0-9]+ / { print $5 }' ` +
+    `/proc/self/mountinfo | ` +
+    `sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done; shift 2; exec "$@"`;
+  return [
+    'unshare',
+    '--mount',
+    '--propagation',
+    propagation,
+    '--',
+    'sh',
+    '-c',
+    script,
+    'sh',
+    os.tmpdir(),
+    keep,
+  ];
 }

@@ -12,7 +12,14 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB, scratchFilesystem, writeRandom } from '../helpers/host.js';
+import {
+  isRoot,
+  leaksUnder,
+  MiB,
+  ownMountNamespace,
+  scratchFilesystem,
+  writeRandom,
+} from '../helpers/host.js';
 import { createVolume } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -118,7 +125,7 @@ describe.skipIf(!isRoot()).each([
       nodeId: 'node-2',
       poolDir,
       socket: path.join(base, 'node-2.sock'),
-      wrap: ['unshare', '--mount', '--propagation', 'private', '--'],
+      wrap: ownMountNamespace(base),
     });
     const res = await ctl.clients.controller.CreateVolume({
       name: `pvc-consistent-${poolFs}-${RUN}`,

@@ -13,7 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf } from '../helpers/grpc.js';
-import { isMounted, isRoot, MiB } from '../helpers/host.js';
+import { isMounted, isRoot, MiB, ownMountNamespace } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -174,12 +174,11 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     const nsMount = p('ns-mnt');
     await fs.mkdir(nsMount);
     // A writer in a private mount namespace, on the second device: the host shows no mount of it.
+    const [unshare = 'unshare', ...inNamespace] = ownMountNamespace(base);
     const writer = spawn(
-      'unshare',
+      unshare,
       [
-        '--mount',
-        '--propagation',
-        'private',
+        ...inNamespace,
         'sh',
         '-c',
         'mount "$1" "$2" && echo precious > "$2/precious" && sync && echo ready && ' +

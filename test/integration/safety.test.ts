@@ -12,7 +12,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB, sha256, SLOW, writeRandom } from '../helpers/host.js';
+import { isRoot, leaksUnder, MiB, ownMountNamespace, sha256, SLOW, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -51,11 +51,7 @@ describe.skipIf(!isRoot())('a node plugin replaced by one that sees the pool at 
       socket: path.join(base, 'old.sock'),
       poolDir: alt,
       wrap: [
-        'unshare',
-        '--mount',
-        '--propagation',
-        'unchanged',
-        '--',
+        ...ownMountNamespace(base, 'unchanged'),
         'sh',
         '-c',
         'mount --bind "$1" "$2" && shift 2 && exec "$@"',
