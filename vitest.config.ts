@@ -1,5 +1,8 @@
 import { configDefaults, defineConfig } from 'vitest/config';
 
+/** Integration files at once: LOOPVOL_TEST_WORKERS, else 3. */
+const integrationWorkers = Math.max(1, Number.parseInt(process.env.LOOPVOL_TEST_WORKERS ?? '', 10) || 3);
+
 export default defineConfig({
   test: {
     // test/container/ runs the built image in a container engine: test/container/run.sh runs it, with
@@ -15,14 +18,18 @@ export default defineConfig({
         test: { name: 'unit', include: ['test/unit/**/*.test.ts'], sequence: { groupOrder: 0 } },
       },
       {
-        // Integration suites attach loop devices and mount filesystems: files one at a time so their
-        // devices and mounts never interleave, and give real mkfs/mount steps room. After the unit
-        // files, never beside them: their timings are real.
+        // Integration suites attach loop devices and mount filesystems for real. Files run side by side
+        // (most of their time is spent waiting on the kernel, on mkfs and on the drivers' own timers):
+        // each file keeps to its own temporary directories, pools and drivers, and finds and removes
+        // only the devices and mounts under them (test/helpers/host.ts leaksUnder), so two files never
+        // take each other's. LOOPVOL_TEST_WORKERS sets how many at once (1: one at a time). After the
+        // unit files, never beside them.
         extends: true,
         test: {
           name: 'integration',
           include: ['test/integration/**/*.test.ts', 'test/e2e/**/*.test.ts'],
-          fileParallelism: false,
+          setupFiles: ['test/helpers/failure-logs.ts'],
+          maxWorkers: integrationWorkers,
           sequence: { groupOrder: 1 },
         },
       },

@@ -11,6 +11,8 @@ cd /opt/loopvol || exit 1
 # An emulated CPU (run.sh's loopvol.slow=N) stretches the suites' waits and timeouts N times.
 slow=$(sed -n 's/.*loopvol\.slow=\([0-9]*\).*/\1/p' /proc/cmdline)
 export LOOPVOL_TEST_SLOW=${slow:-1}
+# Its files one at a time: a guest's two CPUs (often emulated) have no time to spare for files side by side.
+export LOOPVOL_TEST_WORKERS=1
 # shellcheck disable=SC2046 # one argument per line, none with spaces
 node node_modules/vitest/vitest.mjs run --testTimeout=$((60000 * LOOPVOL_TEST_SLOW)) \
   --hookTimeout=$((60000 * LOOPVOL_TEST_SLOW)) $(cat test/kernels/.vitest-args)
