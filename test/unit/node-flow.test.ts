@@ -561,16 +561,56 @@ describe('a stage that fails undoes what it did', () => {
   });
 
   // The runner starts no command that the caller's deadline leaves no time for (it throws CallStopped
-  // while the deadline itself is still ahead): the answer is the deadline's, never a failed step's.
-  it.each(['attach', 'probe', 'format', 'mount'])(
-    'answers DEADLINE_EXCEEDED when %s is not started for lack of time, and undoes it all',
-    async (op) => {
-      const w = await world();
-      const { id } = await newVolume(w);
-      w.host.failNext(op, new CallStopped('deadline'));
-      expect(await codeOf(stage(w, id))).toBe('DEADLINE_EXCEEDED');
-      await expectNothingLeft(w, id);
-      expect(await codeOf(stage(w, id))).toBe('OK');
+  // while the deadline itself is still ahead): the answer is the deadline's, never a failed step's,
+  // whichever step it was, and the retry ends where an undisturbed call would.
+  type Step = 'stage' | 'publish' | 'unpublish' | 'unstage';
+  const before: Record<Step, Step[]> = {
+    stage: [],
+    publish: ['stage'],
+    unpublish: ['stage', 'publish'],
+    unstage: ['stage', 'publish', 'unpublish'],
+  };
+  const call = (w: World, id: string, step: Step, over: Partial<Capability>): Promise<unknown> =>
+    step === 'stage'
+      ? stage(w, id, over)
+      : step === 'publish'
+        ? publish(w, id, over)
+        : step === 'unpublish'
+          ? unpublish(w, id)
+          : unstage(w, id);
+  const kinds: [string, Partial<Capability>][] = [
+    ['new filesystem', {}],
+    ['formatted filesystem', {}],
+    ['raw block', { accessType: 'block', fsType: '' }],
+  ];
+  /** A volume of `kind`: a formatted one is checked (and grown) by its stage, a new one formatted. */
+  const volumeOf = async (w: World, kind: string): Promise<string> => {
+    const formatted = kind === 'formatted filesystem';
+    const { id, image } = await newVolume(w, { initialized: formatted });
+    if (formatted) w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE / 2 });
+    return id;
+  };
+  it.each(
+    kinds.flatMap(([kind, over]) => (Object.keys(before) as Step[]).map((s) => [s, kind, over] as const)),
+  )(
+    'answers DEADLINE_EXCEEDED to a %s (%s) at whichever step the deadline leaves no time for',
+    async (step, kind, over) => {
+      const clean = await world();
+      const first = await volumeOf(clean, kind);
+      for (const s of before[step]) expect(await codeOf(call(clean, first, s, over))).toBe('OK');
+      const { ops } = await during(clean, () => call(clean, first, step, over));
+      const kinds = [...new Set(ops.map((o) => o.split(' ')[0] ?? o))];
+      expect(kinds.length).toBeGreaterThan(0);
+      const end = { table: clean.host.table.length, attached: clean.host.attached.size };
+      for (const op of kinds) {
+        const w = await world();
+        const id = await volumeOf(w, kind);
+        for (const s of before[step]) await call(w, id, s, over);
+        w.host.failNext(op, new CallStopped('deadline'));
+        expect([op, await codeOf(call(w, id, step, over))]).toEqual([op, 'DEADLINE_EXCEEDED']);
+        expect([op, await codeOf(call(w, id, step, over))]).toEqual([op, 'OK']);
+        expect({ table: w.host.table.length, attached: w.host.attached.size }).toEqual(end);
+      }
     },
   );
 
