@@ -110,16 +110,19 @@ export async function detachUnused(
   table: readonly MountEntry[],
   keep?: LoopDevice,
 ): Promise<void> {
-  const held: string[] = [];
+  const held: LoopDevice[] = [];
   for (const loop of loops) {
     if (keep && loop.name === keep.name) continue;
     if (table.some((m) => loopOfMount(m, [loop]))) continue;
     if (await d.host.detach(x, loop)) x.log.info({ device: loop.path }, 'detached loop device');
-    else held.push(loop.path);
+    else held.push(loop);
   }
   if (held.length > 0) {
+    // Most often a copy of the staging mount in a mount namespace made while it was staged (a service
+    // with private mounts, a container whose mounts do not propagate): the host's unmount never reaches it.
+    const ids = held.map((l) => l.majorMinor).join('|');
     throw conflict(
-      `${held.join(', ')} is still open (a filesystem or a process holds it); it detaches when closed, and the volume stays in use on this node until then.`,
+      `${held.map((l) => l.path).join(', ')} is still open: a process holds it, or a mount of it is left in another mount namespace (made while it was staged; grep -lE ' (${ids}) ' /proc/*/mountinfo finds it); it detaches when that ends, and the volume stays in use on this node until then.`,
     );
   }
 }

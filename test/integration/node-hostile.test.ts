@@ -12,8 +12,8 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
-import { codeOf } from '../helpers/grpc.js';
-import { isMounted, isRoot, MiB, ownMountNamespace } from '../helpers/host.js';
+import { codeOf, errorOf } from '../helpers/grpc.js';
+import { isMounted, isRoot, MiB, ownMountNamespace, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -306,6 +306,68 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       },
       heads: { a: 'volume a', b: 'volume b' },
     });
+  });
+
+  it('keeps a filesystem whose mount another mount namespace copied on this node until that namespace ends, then lets it go whole', async () => {
+    // A process started with private mounts while the volume was staged (a service with PrivateMounts,
+    // a container whose mounts do not propagate) holds a copy of the staging mount: the host's unmount
+    // does not reach it, so the filesystem, still writable there, keeps its device.
+    const cap = mountCap('ext4');
+    const { id, image } = await createVolume(d, 'leaked-ns', cap, 64 * MiB);
+    const staging = p('leaked-st');
+    const target = p('pods', 'leaked', 'mount');
+    await stage(d, id, staging, cap);
+    await publish(d, id, staging, target, cap);
+    const sum = await writeRandom(path.join(target, 'data.bin'), 4, 31);
+    // Its copies of every other test file's mounts are dropped; the copy of this volume's stays.
+    const [unshare = 'unshare', ...inNamespace] = ownMountNamespace(staging);
+    const holder = spawn(unshare, [...inNamespace, 'sh', '-c', 'echo ready; exec sleep 300'], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    });
+    const gone = new Promise((resolve) => holder.once('exit', resolve));
+    const codes: Record<string, string> = {};
+    let message = '';
+    try {
+      await new Promise((resolve) => holder.stdout.once('data', resolve));
+      codes.unpublish = await codeOf(unpublish(id, target));
+      const e = await errorOf(unstage(id, staging));
+      codes.unstage = e.code;
+      message = e.details;
+      // What the message tells the operator to run finds the namespace that holds it.
+      const pattern = /grep -lE '([^']+)'/.exec(message)?.[1] ?? 'no pattern in the message';
+      expect(sh('grep', ['-lE', pattern, `/proc/${holder.pid}/mountinfo`]).trim()).toBe(
+        `/proc/${holder.pid}/mountinfo`,
+      );
+      // Staged again meanwhile, it is the live filesystem that copy keeps (the kernel hands back its
+      // superblock), never a second one on the same disk; unstaged, it stays held as before.
+      codes.restage = await codeOf(stage(d, id, staging, cap));
+      codes.delete = await codeOf(d.clients.controller.DeleteVolume({ volume_id: id }));
+      codes.again = await codeOf(unstage(id, staging));
+    } finally {
+      holder.kill('SIGKILL');
+      await gone;
+    }
+    // The namespace ended: the kernel lets the device go, and the retry finishes the unstage.
+    const attached = () => sh('losetup', ['--associated', image]).trim();
+    for (let i = 0; i < 100 && attached() !== ''; i++) await new Promise((r) => setTimeout(r, 20));
+    codes.last = await codeOf(unstage(id, staging));
+    expect(codes).toEqual({
+      unpublish: 'OK',
+      unstage: 'FAILED_PRECONDITION',
+      restage: 'OK',
+      delete: 'FAILED_PRECONDITION',
+      again: 'FAILED_PRECONDITION',
+      last: 'OK',
+    });
+    expect(message).toMatch(/still open.*another mount namespace/);
+    expect(attached()).toBe('');
+    expect(await isMounted(staging)).toBe(false);
+    // Its data is whole: staged again, the file reads back as written.
+    await stage(d, id, staging, cap);
+    await publish(d, id, staging, target, cap);
+    expect(await sha256(path.join(target, 'data.bin'))).toBe(sum);
+    await unpublish(id, target);
+    expect(await codeOf(unstage(id, staging))).toBe('OK');
   });
 
   it('two volumes staged at one path, or published at a target and inside it, at once: one is refused, nothing stacked or hidden', async () => {
