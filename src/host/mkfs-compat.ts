@@ -7,7 +7,8 @@
  * the installed mkfs knows the feature (an option it does not know would make it fail).
  */
 import os from 'node:os';
-import type { Exec } from '../exec/runner.js';
+import { CommandError, detached, type Exec } from '../exec/runner.js';
+import { whileCalling } from './fresh.js';
 import type { FsType } from '../pool/types.js';
 
 export type Version = readonly [number, number, number];
@@ -84,13 +85,19 @@ export function compatArgs(fsType: FsType, kernel: Version, knows: MkfsKnows): C
   return { args, off };
 }
 
-/** Reads what the installed mkfs knows. A tool that cannot be asked is taken to know nothing extra. */
+/**
+ * Reads what the installed mkfs knows. A tool that answers with an error, or is missing (its mkfs then
+ * fails on its own), is taken to know nothing extra. One that gave no answer (it timed out) is an
+ * error: read as "knows nothing", it would have the filesystem made with every feature this kernel
+ * cannot mount.
+ */
 async function askMkfs(x: Exec, fsType: FsType): Promise<MkfsKnows> {
   const text = async (cmd: string, args: string[]): Promise<string> => {
     try {
       const r = await x.run(cmd, args, { okCodes: [0, 1], timeoutMs: 10_000, quiet: true });
       return `${r.stdout}\n${r.stderr}`;
-    } catch {
+    } catch (err) {
+      if (err instanceof CommandError && (err.reason === 'timeout' || err.reason === 'cancelled')) throw err;
       return '';
     }
   };
@@ -119,13 +126,24 @@ async function askMkfs(x: Exec, fsType: FsType): Promise<MkfsKnows> {
 }
 
 const asked = new Map<FsType, Promise<MkfsKnows>>();
+/** How long the questions to one mkfs may take together (each command has 10 s). */
+const ASK_MS = 30_000;
 
-/** The compatibility arguments for this node's kernel and mkfs (the tool is asked once per process). */
+/**
+ * The compatibility arguments for this node's kernel and mkfs (the tool is asked once per process: its
+ * answer is kept, a question that got none is asked again by the next caller).
+ */
 export async function mkfsCompat(x: Exec, fsType: FsType, kernel = kernelVersion()): Promise<CompatChoice> {
   let knows = asked.get(fsType);
   if (!knows) {
-    knows = askMkfs(x, fsType);
-    asked.set(fsType, knows);
+    // Asked for every caller to come, free of this one's deadline and cancellation; each caller stops
+    // waiting at its own.
+    const question = askMkfs(detached(x, ASK_MS), fsType);
+    knows = question;
+    asked.set(fsType, question);
+    question.catch(() => {
+      if (asked.get(fsType) === question) asked.delete(fsType);
+    });
   }
-  return compatArgs(fsType, kernel, await knows);
+  return compatArgs(fsType, kernel, await whileCalling(x, knows));
 }

@@ -1,5 +1,7 @@
 /** mkfs options chosen for the node's kernel: a table of kernels and of what the installed mkfs knows. */
-import { describe, expect, it } from 'vitest';
+import { pino } from 'pino';
+import { describe, expect, it, vi } from 'vitest';
+import { bindExec, type Runner } from '../../src/exec/runner.js';
 import { compatArgs, kernelVersion, type MkfsKnows } from '../../src/host/mkfs-compat.js';
 
 /** xfsprogs 6.1 (Debian 12) knows nrext64; 6.13 (Debian 13) also exchange, parent and metadir. */
@@ -65,5 +67,76 @@ describe('compatArgs', () => {
       'bigtime (needs Linux 5.10)',
       'inobtcount (needs Linux 5.10)',
     ]);
+  });
+});
+
+describe('asking the installed mkfs', () => {
+  type Compat = typeof import('../../src/host/mkfs-compat.js') & typeof import('../../src/exec/runner.js');
+  /** The modules afresh (what the module learned of the tool is kept per process), errors and all. */
+  const fresh = async (): Promise<Compat> => {
+    vi.resetModules();
+    return {
+      ...(await import('../../src/host/mkfs-compat.js')),
+      ...(await import('../../src/exec/runner.js')),
+    };
+  };
+  /** mkfs.xfs's usage (no arguments), as far as it is read: every option it knows as "name=0|1". */
+  const USAGE = '-i sparse=0|1,nrext64=0|1\n-m bigtime=0|1,inobtcount=0|1,reflink=0|1,rmapbt=0|1';
+  const OLD_KERNEL = [5, 4, 0] as const; // no nrext64, bigtime, inobtcount
+  const OFF = ['-i', 'nrext64=0', '-m', 'bigtime=0,inobtcount=0'];
+  const log = pino({ level: 'silent' });
+  const answering = (asked: string[]): Runner => ({
+    run: (_scope, command) => {
+      asked.push(command);
+      return Promise.resolve({ exitCode: 1, stdout: '', stderr: USAGE });
+    },
+  });
+
+  it("asks free of the caller's deadline: a caller too late to run a command still gets the tool's answer", async () => {
+    const a = await fresh();
+    const expected = (await a.mkfsCompat(a.bindExec(new a.ExecRunner(), { log }), 'xfs', OLD_KERNEL)).args;
+    expect(expected.length).toBeGreaterThan(0); // this mkfs.xfs knows features a 5.4 kernel cannot mount
+    const b = await fresh();
+    // Inside the real runner's margin: the caller itself may start no command.
+    const late = b.bindExec(new b.ExecRunner(), { log, deadline: Date.now() + 450 });
+    await expect(late.run('true', [])).rejects.toBeInstanceOf(b.CallStopped);
+    expect((await b.mkfsCompat(late, 'xfs', OLD_KERNEL)).args).toEqual(expected);
+  });
+
+  it('asks once, for every caller to come', async () => {
+    const { mkfsCompat } = await fresh();
+    const asked: string[] = [];
+    const x = () => bindExec(answering(asked), { log });
+    expect((await mkfsCompat(x(), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
+    expect((await mkfsCompat(x(), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
+    expect(asked).toEqual(['mkfs.xfs']);
+  });
+
+  it('keeps no answer from a question that got none (it timed out): the next caller asks again', async () => {
+    const { mkfsCompat, CommandError } = await fresh();
+    const asked: string[] = [];
+    const timingOut: Runner = {
+      run: (_scope, command, args) => {
+        asked.push(command);
+        return Promise.reject(
+          new CommandError(command, args, undefined, '', 'timeout', `${command} timed out`),
+        );
+      },
+    };
+    const x = (runner: Runner) => bindExec(runner, { log, deadline: Infinity });
+    await expect(mkfsCompat(x(timingOut), 'xfs', OLD_KERNEL)).rejects.toBeInstanceOf(CommandError);
+    expect((await mkfsCompat(x(answering(asked)), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
+    expect(asked).toEqual(['mkfs.xfs', 'mkfs.xfs']);
+  });
+
+  it('takes a tool that answers with an error, or is missing, to know nothing extra', async () => {
+    const { mkfsCompat, CommandError } = await fresh();
+    const missing: Runner = {
+      run: (_scope, command, args) =>
+        Promise.reject(
+          new CommandError(command, args, undefined, '', 'spawn', `${command} could not be started`),
+        ),
+    };
+    expect((await mkfsCompat(bindExec(missing, { log }), 'xfs', OLD_KERNEL)).args).toEqual([]);
   });
 });
