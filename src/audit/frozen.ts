@@ -54,7 +54,12 @@ export async function probeFrozen(x: Exec, mountPoint: string): Promise<FreezeSt
   try {
     await x.run('fsfreeze', ['--freeze', mountPoint], { timeoutMs: 60_000, quiet: true });
   } catch (err) {
-    if (err instanceof CommandError && /busy/i.test(err.stderr)) return 'frozen';
+    if (err instanceof CommandError && err.reason === 'exit' && /busy/i.test(err.stderr)) return 'frozen';
+    // Timed out or killed (also by the caller's deadline), fsfreeze may have frozen it before it ended:
+    // thawed, as the node's own freezes are (a thaw of a filesystem that is not frozen changes nothing).
+    await detached(x, 60_000)
+      .run('fsfreeze', ['--unfreeze', mountPoint], { timeoutMs: 60_000, quiet: true })
+      .catch(() => undefined);
     return 'unknown';
   }
   // It was not frozen, and now is: thaw it, whatever the caller's deadline.
