@@ -64,17 +64,16 @@ export function readSys(file: string): string | undefined {
   }
 }
 
-/** One loop device from sysfs (without its backing identity), or undefined when it is not attached. */
+/** A loop device from sysfs (no backing identity), undefined when not attached; read now, a throw rejects. */
 export function readLoop(name: string): Promise<LoopDevice | undefined> {
-  // Read now, not in a later turn; a throw rejects.
   return new Promise((resolve) => {
     resolve(loopFromSysfs(name));
   });
 }
 
 function loopFromSysfs(name: string): LoopDevice | undefined {
-  // The loop/ directory exists only while the device is attached. Asking first costs a third of the
-  // failed open of backing_file (whose error object is what costs), and most devices are detached.
+  // The loop/ directory exists only while attached. Asking first costs a third of the failed open of
+  // backing_file (its error object is what costs), and most devices are detached.
   if (!existsSync(path.join(SYS_BLOCK, name, 'loop'))) return undefined;
   // Read between two readings of its disk sequence number: a device whose number stayed the same
   // showed one attachment throughout. One that changed meanwhile is read again, and after a few tries
@@ -351,9 +350,10 @@ async function attachChecked(
       const loop = await readLoop(path.basename(dev));
       if (!loop) throw new Error(`losetup reported ${dev} but it is not attached`);
       // losetup resolves the pinned path back to a name and opens that: the kernel shows the path of
-      // what it holds, which is the image's unless the image was swapped meanwhile.
+      // what it holds, which is the image's unless the image was swapped meanwhile. Detached whatever
+      // the caller's deadline: the caller's undo knows the volume's devices, never this one.
       if (shownPath(loop) !== image || isDeletedBacking(loop)) {
-        await x.run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
+        await detached(x).run('losetup', ['--detach', loop.path], { timeoutMs: 30_000 });
         throw notAnImage(image);
       }
       return { ...loop, backing: id };
