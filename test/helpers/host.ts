@@ -264,16 +264,20 @@ export function frozen(mp: string): boolean {
  * copy would keep their filesystems, and so their loop devices, held until this namespace ends (an
  * unmount on the host does not reach a private copy), and their unstage could not detach them. So,
  * inside the new namespace and before the command, the copies of every test's mount (anything under
- * the temporary directory's "loopvol-" entries) except those under `keep` are unmounted there. A
- * shared copy (`unchanged` on a host whose mounts are shared) is left alone: an unmount of it would
- * reach the host's own, and the host's unmounts reach it anyway.
+ * the temporary directory's "loopvol-" entries) except those under `keep` are unmounted there, deepest
+ * first. An unmount reaches the peers of the mount's parent: each parent is made private first (in
+ * this namespace only), so that with `unchanged` on a host whose mounts are shared nothing is
+ * unmounted on the host. A mount point with an escaped character (a space) is left alone.
  */
 export function ownMountNamespace(keep: string, propagation: 'private' | 'unchanged' = 'private'): string[] {
-  const script =
-    `awk -v tmp="$1/loopvol-" -v keep="$2" ` +
-    `'index($5, tmp) == 1 && $5 != keep && index($5, keep "/") != 1 && $0 !~ / shared:[0-9]+ / { print $5 }' ` +
-    `/proc/self/mountinfo | ` +
-    `sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done; shift 2; exec "$@"`;
+  const drop = [
+    `awk -v tmp="$1/loopvol-" -v keep="$2" -v OFS="$tab" '{ mp[$1] = $5; up[$1] = $2 } ` +
+      `index($5, tmp) == 1 && $5 != keep && index($5, keep "/") != 1 && index($5, "\\\\") == 0 { drop[$1] = 1 } ` +
+      `END { for (id in drop) print mp[up[id]], mp[id] }' /proc/self/mountinfo`,
+    `sort -t "$tab" -k2,2r`,
+    `while IFS="$tab" read -r parent m; do mount --make-private "$parent" && umount -l "$m"; done 2>/dev/null`,
+  ].join(' | ');
+  const script = `tab=$(printf '\\t'); ${drop}`;
   return [
     'unshare',
     '--mount',
@@ -282,7 +286,7 @@ export function ownMountNamespace(keep: string, propagation: 'private' | 'unchan
     '--',
     'sh',
     '-c',
-    script,
+    `${script}; shift 2; exec "$@"`,
     'sh',
     os.tmpdir(),
     keep,
