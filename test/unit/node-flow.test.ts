@@ -7,7 +7,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { conflict } from '../../src/errors.js';
-import { bindExec, CallStopped } from '../../src/exec/runner.js';
+import { bindExec } from '../../src/exec/runner.js';
 import { OnlineGrowthUnsupported } from '../../src/host/filesystem.js';
 import { expandVolume } from '../../src/node/grow.js';
 import { stageVolume } from '../../src/node/stage.js';
@@ -559,60 +559,6 @@ describe('a stage that fails undoes what it did', () => {
     expect(await w.volumes.isInitialized(id)).toBe(false);
     await expectNothingLeft(w, id);
   });
-
-  // The runner starts no command that the caller's deadline leaves no time for (it throws CallStopped
-  // while the deadline itself is still ahead): the answer is the deadline's, never a failed step's,
-  // whichever step it was, and the retry ends where an undisturbed call would.
-  type Step = 'stage' | 'publish' | 'unpublish' | 'unstage';
-  const before: Record<Step, Step[]> = {
-    stage: [],
-    publish: ['stage'],
-    unpublish: ['stage', 'publish'],
-    unstage: ['stage', 'publish', 'unpublish'],
-  };
-  const call = (w: World, id: string, step: Step, over: Partial<Capability>): Promise<unknown> =>
-    step === 'stage'
-      ? stage(w, id, over)
-      : step === 'publish'
-        ? publish(w, id, over)
-        : step === 'unpublish'
-          ? unpublish(w, id)
-          : unstage(w, id);
-  const kinds: [string, Partial<Capability>][] = [
-    ['new filesystem', {}],
-    ['formatted filesystem', {}],
-    ['raw block', { accessType: 'block', fsType: '' }],
-  ];
-  /** A volume of `kind`: a formatted one is checked (and grown) by its stage, a new one formatted. */
-  const volumeOf = async (w: World, kind: string): Promise<string> => {
-    const formatted = kind === 'formatted filesystem';
-    const { id, image } = await newVolume(w, { initialized: formatted });
-    if (formatted) w.host.content.set(image, { kind: 'filesystem', type: 'ext4', size: SIZE / 2 });
-    return id;
-  };
-  it.each(
-    kinds.flatMap(([kind, over]) => (Object.keys(before) as Step[]).map((s) => [s, kind, over] as const)),
-  )(
-    'answers DEADLINE_EXCEEDED to a %s (%s) at whichever step the deadline leaves no time for',
-    async (step, kind, over) => {
-      const clean = await world();
-      const first = await volumeOf(clean, kind);
-      for (const s of before[step]) expect(await codeOf(call(clean, first, s, over))).toBe('OK');
-      const { ops } = await during(clean, () => call(clean, first, step, over));
-      const kinds = [...new Set(ops.map((o) => o.split(' ')[0] ?? o))];
-      expect(kinds.length).toBeGreaterThan(0);
-      const end = { table: clean.host.table.length, attached: clean.host.attached.size };
-      for (const op of kinds) {
-        const w = await world();
-        const id = await volumeOf(w, kind);
-        for (const s of before[step]) await call(w, id, s, over);
-        w.host.failNext(op, new CallStopped('deadline'));
-        expect([op, await codeOf(call(w, id, step, over))]).toEqual([op, 'DEADLINE_EXCEEDED']);
-        expect([op, await codeOf(call(w, id, step, over))]).toEqual([op, 'OK']);
-        expect({ table: w.host.table.length, attached: w.host.attached.size }).toEqual(end);
-      }
-    },
-  );
 
   it('undoes its lease only once the record naming the device is written, when the probe fails first', async () => {
     const w = await world();
