@@ -48,6 +48,15 @@ export class TestEnv {
       }
       await fs.rm(d, { recursive: true, force: true });
     }
+    // A leak is the file's failure, found after its tests: what its drivers did last says why.
+    if (leaks.length > 0) {
+      for (const d of this.drivers) {
+        process.stderr.write(
+          `\n--- driver ${d.endpoint}, the file left ${leaks.join(', ')} (its last 100 log lines) ---\n` +
+            `${d.logs().slice(-100).join('\n')}\n`,
+        );
+      }
+    }
     return leaks;
   }
 }

@@ -25,7 +25,11 @@ const SFTP_SERVERS = [
   '/usr/libexec/openssh/sftp-server',
   '/usr/libexec/sftp-server',
 ];
-/** sshd's privilege separation directory (compiled in); it refuses to start without it. */
+/**
+ * sshd's privilege separation directory (compiled in); it refuses to start without it, and needs it at
+ * every connection. Made when missing and left there (it is the openssh-server package's own, made at
+ * every boot): test files side by side each run an sshd, and one removing it would break the others'.
+ */
 const PRIVSEP_DIR = '/run/sshd';
 /** The variable that tells the sftp-server of one mount from another's. */
 const MARKER_VAR = 'LOOPVOL_SSHFS_MOUNT';
@@ -210,7 +214,6 @@ export async function startSshServer(): Promise<SshServer> {
   const sftpServer = sftpServerPath();
   if (!sftpServer) throw new Error('no sftp-server found');
   const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-sshd-'));
-  let madePrivsep = false;
   let sshd: ChildProcess | undefined;
   try {
     const hostKey = path.join(dir, 'host_key');
@@ -220,10 +223,7 @@ export async function startSshServer(): Promise<SshServer> {
     const authorized = path.join(dir, 'authorized_keys');
     await fs.copyFile(`${clientKey}.pub`, authorized);
     await fs.chmod(authorized, 0o600);
-    if (!existsSync(PRIVSEP_DIR)) {
-      await fs.mkdir(PRIVSEP_DIR, { mode: 0o755 });
-      madePrivsep = true;
-    }
+    await fs.mkdir(PRIVSEP_DIR, { recursive: true, mode: 0o755 });
     const config = path.join(dir, 'sshd_config');
     let port = 0;
     let log = '';
@@ -271,25 +271,18 @@ export async function startSshServer(): Promise<SshServer> {
       }
     }
     if (!sshd) throw new Error(`sshd did not start: ${log}`);
-    return makeServer(dir, port, sshd, clientKey, () => madePrivsep);
+    return makeServer(dir, port, sshd, clientKey);
   } catch (err) {
     if (sshd && !exited(sshd)) {
       sshd.kill('SIGKILL');
       await waitExit(sshd, 5000);
     }
     await fs.rm(dir, { recursive: true, force: true });
-    if (madePrivsep) await fs.rmdir(PRIVSEP_DIR).catch(() => undefined);
     throw err;
   }
 }
 
-function makeServer(
-  dir: string,
-  port: number,
-  sshd: ChildProcess,
-  clientKey: string,
-  madePrivsep: () => boolean,
-): SshServer {
+function makeServer(dir: string, port: number, sshd: ChildProcess, clientKey: string): SshServer {
   const mounts: SshfsMount[] = [];
   const sshdPid = sshd.pid ?? -1;
   let mountCount = 0;
@@ -431,7 +424,6 @@ function makeServer(
         }
       }
       await fs.rm(dir, { recursive: true, force: true });
-      if (madePrivsep()) await fs.rmdir(PRIVSEP_DIR).catch(() => undefined);
       if (errors.length > 0) throw new AggregateError(errors, 'stopping the sshfs test server');
       return leaks;
     },

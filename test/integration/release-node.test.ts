@@ -96,11 +96,12 @@ describe('loopvol release-node beside a running plugin', () => {
     await stage(w, id);
     await publish(w, id);
     await w.volumes.unpublish(id, NODE); // force-detached while mounted for writing
-    // fsfreeze takes longer than the watch (flushing a busy pod's dirty data to a slow pool).
+    // fsfreeze takes longer than the watch (flushing a busy pod's dirty data to a slow pool), by several
+    // seconds: the command's own start is slow on a busy machine.
     const freeze = w.host.freeze.bind(w.host);
     let frozeAt = 0;
     w.host.freeze = async (x, mp) => {
-      await new Promise((r) => setTimeout(r, 13_000));
+      await new Promise((r) => setTimeout(r, 18_000));
       await freeze(x, mp);
       frozeAt = Date.now();
     };
@@ -127,5 +128,5 @@ describe('loopvol release-node beside a running plugin', () => {
     expect((await w.volumes.leases(id)).find((l) => l.node === NODE)?.fencedAt).toContain(
       'froze its filesystem',
     );
-  }, 40_000);
+  }, 60_000);
 });
