@@ -34,7 +34,10 @@ afterAll(async () => {
 const RECORD = 9; // "%08d\n"
 
 /** Appends numbered records to `file`, each written and fsynced alone, inside `pid`'s mount namespace. */
-function startWriter(pid: number, file: string): { proc: ChildProcess; written: () => number } {
+function startWriter(
+  pid: number,
+  file: string,
+): { proc: ChildProcess; written: () => number; stop: () => Promise<void> } {
   const script = `
     const fs = require('node:fs');
     const fd = fs.openSync(process.argv[1], 'a');
@@ -63,7 +66,17 @@ function startWriter(pid: number, file: string): { proc: ChildProcess; written: 
     const lines = b.toString().trim().split('\n');
     last = Number(lines.at(-1) ?? last);
   });
-  return { proc, written: () => last };
+  const exited = new Promise<void>((resolve) => {
+    proc.once('exit', () => {
+      resolve();
+    });
+  });
+  // Stopped and gone: its open file in the pod's volume would make the unpublish that follows busy.
+  const stop = async (): Promise<void> => {
+    proc.kill('SIGTERM');
+    await exited;
+  };
+  return { proc, written: () => last, stop };
 }
 
 async function until(what: () => boolean, ms = 10_000): Promise<void> {
@@ -165,7 +178,7 @@ describe.skipIf(!isRoot()).each([
     });
     const at = w.written();
     await until(() => w.written() >= at + 200);
-    w.proc.kill('SIGTERM');
+    await w.stop();
     expect(snap.snapshot?.ready_to_use).toBe(true);
     expect(await node.waitForLog((l) => l.includes('froze a filesystem for a copy'))).toBe(true);
     expect(await ctl.waitForLog((l) => l.includes(reflink ? '"how":"reflink"' : '"how":"sparse-copy"'))).toBe(
@@ -244,7 +257,7 @@ describe.skipIf(!isRoot()).each([
         expect(froze()).toBe(frozeBefore + 1); // refused before asking the node to freeze again
         expect(await fs.readdir(path.join(ctl.poolDir, 'snapshots'))).toEqual(snapshotsBefore);
       } finally {
-        w.proc.kill('SIGTERM');
+        await w.stop();
         await c.stop();
       }
     },
