@@ -29,15 +29,19 @@ function majorMinor(dev: bigint): string {
   return `${((dev >> 8n) & 0xfffn) | ((dev >> 32n) & ~0xfffn)}:${(dev & 0xffn) | ((dev >> 12n) & ~0xffn)}`;
 }
 
-/** "major:minor:inode" → path, for the regular files under `root`, not descending into mount points. */
-async function fileIdsUnder(root: string, mountPoints: Set<string>): Promise<Map<string, string>> {
+/**
+ * "major:minor:inode" → path, for the regular files under `root`, descending into the mount points
+ * under it only where they are local filesystems (a scratch pool): never into a network one, which
+ * may be hung on purpose.
+ */
+async function fileIdsUnder(root: string, skip: Set<string>): Promise<Map<string, string>> {
   const ids = new Map<string, string>();
   const walk = async (dir: string): Promise<void> => {
     const entries = await fs.readdir(dir, { withFileTypes: true }).catch(() => []);
     for (const e of entries) {
       const p = path.join(dir, e.name);
       if (e.isDirectory()) {
-        if (!mountPoints.has(p)) await walk(p);
+        if (!skip.has(p)) await walk(p);
       } else if (e.isFile()) {
         const st = await fs.stat(p, { bigint: true }).catch(() => undefined);
         if (st) ids.set(`${majorMinor(st.dev)}:${st.ino}`, p);
@@ -50,17 +54,18 @@ async function fileIdsUnder(root: string, mountPoints: Set<string>): Promise<Map
 
 /**
  * Loop devices backed by files under `root` and mounts under `root` (deepest first). A loop device
- * attached in another mount namespace (a node plugin in a container) shows its backing file as that
- * namespace saw it, relative to a bind mount ("/volumes/vol-…/disk.img"): such devices are matched by
- * their backing file's device and inode.
+ * attached in another mount namespace (a node plugin in a container, or of its own) shows its backing
+ * file as that namespace saw it, relative to a bind mount or to a mount this one cannot reach
+ * ("/pool/volumes/vol-…/disk.img"): such devices are matched by their backing file's device and inode,
+ * also inside a scratch pool's filesystem mounted under `root`.
  */
 export async function leaksUnder(root: string): Promise<Leaks> {
   const prefix = `${root}/`;
-  const mounts = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+  const under = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
     .split('\n')
-    .map((l) => unescape(l.split(' ')[4] ?? ''))
-    .filter((mp) => mp === root || mp.startsWith(prefix))
-    .sort((a, b) => b.length - a.length);
+    .map((l) => ({ mp: unescape(l.split(' ')[4] ?? ''), type: l.split(' - ')[1]?.split(' ')[0] ?? '' }))
+    .filter(({ mp }) => mp === root || mp.startsWith(prefix));
+  const mounts = under.map((m) => m.mp).sort((a, b) => b.length - a.length);
   const loops: string[] = [];
   const others: string[] = [];
   for (const name of await fs.readdir('/sys/block')) {
@@ -86,7 +91,8 @@ export async function leaksUnder(root: string): Promise<Leaks> {
     } catch {
       listed = [];
     }
-    const ids = await fileIdsUnder(root, new Set(mounts));
+    const local = new Set(['ext4', 'xfs', 'btrfs', 'tmpfs']);
+    const ids = await fileIdsUnder(root, new Set(under.filter((m) => !local.has(m.type)).map((m) => m.mp)));
     for (const d of listed) {
       const name = path.basename(d.name ?? '');
       if (!others.includes(name)) continue;
@@ -105,28 +111,29 @@ export async function isMounted(mountPoint: string): Promise<boolean> {
 }
 
 /**
- * Removes exactly what `leaksUnder(root)` finds and returns what was found. Mounts go first (deepest
- * first), then the loop devices they held, in rounds: a filesystem that holds the images of other
- * loop devices (a scratch pool) can only be unmounted once those are detached. A lazy unmount is the
- * last resort.
+ * Removes exactly what `leaksUnder(root)` finds and returns what was found, in rounds: the loop devices
+ * first (one whose filesystem is mounted goes once it is unmounted), then the mounts, deepest first. A
+ * device attached in another mount namespace holds its image through that namespace's mount, not this
+ * one's: its image's filesystem here unmounts all the same, after which nothing here could tell the
+ * device was ours. A lazy unmount is the last resort.
  */
 export async function cleanupUnder(root: string): Promise<Leaks> {
   const found = await leaksUnder(root);
   for (let round = 0; round < 4; round++) {
     const now = await leaksUnder(root);
     if (now.loops.length === 0 && now.mounts.length === 0) return found;
+    for (const line of now.loops) {
+      try {
+        sh('losetup', ['-d', line.split(' ')[0] ?? '']);
+      } catch {
+        // gone meanwhile: the next round looks again
+      }
+    }
     for (const mp of now.mounts) {
       try {
         sh('umount', [mp]);
       } catch {
-        // busy: its loop devices go below, then the next round unmounts it
-      }
-    }
-    for (const line of (await leaksUnder(root)).loops) {
-      try {
-        sh('losetup', ['-d', line.split(' ')[0] ?? '']);
-      } catch {
-        // still in use: a later round
+        // busy: the next round
       }
     }
   }
