@@ -54,6 +54,8 @@ export class CommandError extends Error {
     readonly stderr: string,
     readonly reason: 'exit' | 'timeout' | 'cancelled' | 'spawn',
     message: string,
+    /** Why a command was not started, or ended without an exit status: an errno (ENOENT) or a signal. */
+    readonly why?: string,
   ) {
     super(message);
   }
@@ -131,6 +133,7 @@ interface Failed {
   isCanceled: boolean;
   exitCode?: number;
   code?: string;
+  signal?: string;
 }
 
 /** The CommandError for a command that failed: why (exit, timeout, cancelled, not started), in one sentence. */
@@ -160,7 +163,10 @@ export function commandFailure(
         ? `${command} timed out after ${timeoutMs} ms`
         : reason === 'cancelled'
           ? `${command} was cancelled`
-          : `${command} could not be started (${result.code ?? 'unknown error'})`,
+          : result.signal !== undefined && result.code === undefined
+            ? `${command} was killed by ${result.signal}`
+            : `${command} could not be started (${result.code ?? 'unknown error'})`,
+    result.code ?? result.signal,
   );
 }
 

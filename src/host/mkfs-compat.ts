@@ -86,10 +86,10 @@ export function compatArgs(fsType: FsType, kernel: Version, knows: MkfsKnows): C
 }
 
 /**
- * Reads what the installed mkfs knows. A tool that answers with an error, or is missing (its mkfs then
- * fails on its own), is taken to know nothing extra. One that gave no answer (it timed out) is an
- * error: read as "knows nothing", it would have the filesystem made with every feature this kernel
- * cannot mount.
+ * Reads what the installed mkfs knows, from what it prints whatever its exit status. A tool that is
+ * not installed knows nothing extra (its mkfs then fails on its own). Any other failure to get its
+ * answer (it timed out, was killed, could not be started) is an error: read as "knows nothing", it
+ * would have the filesystem made with every feature this kernel cannot mount.
  */
 async function askMkfs(x: Exec, fsType: FsType): Promise<MkfsKnows> {
   const text = async (cmd: string, args: string[]): Promise<string> => {
@@ -97,8 +97,9 @@ async function askMkfs(x: Exec, fsType: FsType): Promise<MkfsKnows> {
       const r = await x.run(cmd, args, { okCodes: [0, 1], timeoutMs: 10_000, quiet: true });
       return `${r.stdout}\n${r.stderr}`;
     } catch (err) {
-      if (err instanceof CommandError && (err.reason === 'timeout' || err.reason === 'cancelled')) throw err;
-      return '';
+      if (err instanceof CommandError && err.reason === 'exit') return err.stderr;
+      if (err instanceof CommandError && err.reason === 'spawn' && err.why === 'ENOENT') return '';
+      throw err;
     }
   };
   switch (fsType) {

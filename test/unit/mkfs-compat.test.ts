@@ -112,29 +112,53 @@ describe('asking the installed mkfs', () => {
     expect(asked).toEqual(['mkfs.xfs']);
   });
 
-  it('keeps no answer from a question that got none (it timed out): the next caller asks again', async () => {
+  it.each([
+    ['timed out', 'timeout'],
+    ['was killed (a signal, as from the OOM killer)', 'spawn'],
+  ] as const)(
+    'keeps no answer from a question that %s: the next caller asks again',
+    async (_what, reason) => {
+      const { mkfsCompat, CommandError } = await fresh();
+      const asked: string[] = [];
+      const failing: Runner = {
+        run: (_scope, command, args) => {
+          asked.push(command);
+          const why = reason === 'spawn' ? 'SIGKILL' : undefined;
+          return Promise.reject(
+            new CommandError(command, args, undefined, '', reason, `${command} failed`, why),
+          );
+        },
+      };
+      const x = (runner: Runner) => bindExec(runner, { log, deadline: Infinity });
+      await expect(mkfsCompat(x(failing), 'xfs', OLD_KERNEL)).rejects.toBeInstanceOf(CommandError);
+      expect((await mkfsCompat(x(answering(asked)), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
+      expect(asked).toEqual(['mkfs.xfs', 'mkfs.xfs']);
+    },
+  );
+
+  it('reads what the tool printed whatever its exit status', async () => {
     const { mkfsCompat, CommandError } = await fresh();
-    const asked: string[] = [];
-    const timingOut: Runner = {
-      run: (_scope, command, args) => {
-        asked.push(command);
-        return Promise.reject(
-          new CommandError(command, args, undefined, '', 'timeout', `${command} timed out`),
-        );
-      },
+    const usageExit2: Runner = {
+      run: (_scope, command, args) =>
+        Promise.reject(new CommandError(command, args, 2, USAGE, 'exit', `${command} exited with status 2`)),
     };
-    const x = (runner: Runner) => bindExec(runner, { log, deadline: Infinity });
-    await expect(mkfsCompat(x(timingOut), 'xfs', OLD_KERNEL)).rejects.toBeInstanceOf(CommandError);
-    expect((await mkfsCompat(x(answering(asked)), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
-    expect(asked).toEqual(['mkfs.xfs', 'mkfs.xfs']);
+    expect((await mkfsCompat(bindExec(usageExit2, { log }), 'xfs', OLD_KERNEL)).args).toEqual(OFF);
   });
 
-  it('takes a tool that answers with an error, or is missing, to know nothing extra', async () => {
+  it('takes a tool that is not installed to know nothing extra', async () => {
     const { mkfsCompat, CommandError } = await fresh();
     const missing: Runner = {
       run: (_scope, command, args) =>
         Promise.reject(
-          new CommandError(command, args, undefined, '', 'spawn', `${command} could not be started`),
+          new CommandError(
+            command,
+            args,
+            undefined,
+            '',
+            'spawn',
+            `${command} could not be started`,
+            'ENOENT',
+          ),
         ),
     };
     expect((await mkfsCompat(bindExec(missing, { log }), 'xfs', OLD_KERNEL)).args).toEqual([]);

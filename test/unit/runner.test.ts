@@ -66,3 +66,18 @@ describe('commands and the caller deadline', () => {
     expect((await x.run('echo', ['ok'])).stdout).toBe('ok');
   });
 });
+
+describe('why a command ended without an exit status', () => {
+  const x = bindExec(runner, { log });
+  it.each([
+    ['not installed', 'loopvol-no-such-tool', [], 'ENOENT'],
+    ['killed by a signal', 'sh', ['-c', 'kill -9 $$'], 'SIGKILL'],
+  ])('says so when it was %s', async (_what, command, args, why) => {
+    const err = await failure(x.run(command, args));
+    expect(err).toBeInstanceOf(CommandError);
+    expect({ reason: (err as CommandError).reason, why: (err as CommandError).why }).toEqual({
+      reason: 'spawn',
+      why,
+    });
+  });
+});
