@@ -3,6 +3,7 @@
  * image lives there, mounts there), cleaning up exactly that, and scratch filesystems for pools.
  */
 import { execFileSync } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import os from 'node:os';
@@ -60,24 +61,43 @@ async function fileIdsUnder(root: string, skip: Set<string>): Promise<Map<string
  * also inside a scratch pool's filesystem mounted under `root`.
  */
 export async function leaksUnder(root: string): Promise<Leaks> {
+  const { loops, mounts } = await leakedUnder(root);
+  return { loops: loops.map((l) => l.line), mounts };
+}
+
+/** A leaked loop device as listed: its line, and what sysfs showed of it then (to detach only that). */
+interface LeakedLoop {
+  line: string;
+  name: string;
+  shown: string;
+  seq: string;
+}
+
+const sysOf = (name: string, file: string): string => {
+  try {
+    return readFileSync(`/sys/block/${name}/${file}`, 'utf8').trim();
+  } catch {
+    return '';
+  }
+};
+
+async function leakedUnder(root: string): Promise<{ loops: LeakedLoop[]; mounts: string[] }> {
   const prefix = `${root}/`;
   const under = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
     .split('\n')
     .map((l) => ({ mp: unescape(l.split(' ')[4] ?? ''), type: l.split(' - ')[1]?.split(' ')[0] ?? '' }))
     .filter(({ mp }) => mp === root || mp.startsWith(prefix));
   const mounts = under.map((m) => m.mp).sort((a, b) => b.length - a.length);
-  const loops: string[] = [];
-  const others: string[] = [];
+  const loops: LeakedLoop[] = [];
+  const others = new Map<string, { shown: string; seq: string }>();
   for (const name of await fs.readdir('/sys/block')) {
     if (!/^loop\d+$/.test(name)) continue;
-    const backing = await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').then(
-      (t) => t.trim(),
-      () => '',
-    );
-    if (backing.startsWith(prefix)) loops.push(`/dev/${name} ${backing}`);
-    else if (backing !== '') others.push(name);
+    const seq = sysOf(name, 'diskseq');
+    const shown = sysOf(name, 'loop/backing_file');
+    if (shown.startsWith(prefix)) loops.push({ line: `/dev/${name} ${shown}`, name, shown, seq });
+    else if (shown !== '') others.set(name, { shown, seq });
   }
-  if (others.length > 0) {
+  if (others.size > 0) {
     let listed: { name?: string; 'back-maj:min'?: string; 'back-ino'?: string | number }[] = [];
     try {
       listed =
@@ -95,9 +115,9 @@ export async function leaksUnder(root: string): Promise<Leaks> {
     const ids = await fileIdsUnder(root, new Set(under.filter((m) => !local.has(m.type)).map((m) => m.mp)));
     for (const d of listed) {
       const name = path.basename(d.name ?? '');
-      if (!others.includes(name)) continue;
+      const seen = others.get(name);
       const file = ids.get(`${d['back-maj:min']?.trim() ?? ''}:${String(d['back-ino'] ?? '')}`);
-      if (file) loops.push(`/dev/${name} ${file}`);
+      if (seen && file) loops.push({ line: `/dev/${name} ${file}`, name, ...seen });
     }
   }
   return { loops, mounts };
@@ -120,11 +140,13 @@ export async function isMounted(mountPoint: string): Promise<boolean> {
 export async function cleanupUnder(root: string): Promise<Leaks> {
   const found = await leaksUnder(root);
   for (let round = 0; round < 4; round++) {
-    const now = await leaksUnder(root);
+    const now = await leakedUnder(root);
     if (now.loops.length === 0 && now.mounts.length === 0) return found;
-    for (const line of now.loops) {
+    for (const l of now.loops) {
+      // Still what was listed: its number may serve another file's image by now.
+      if (sysOf(l.name, 'loop/backing_file') !== l.shown || sysOf(l.name, 'diskseq') !== l.seq) continue;
       try {
-        sh('losetup', ['-d', line.split(' ')[0] ?? '']);
+        sh('losetup', ['-d', `/dev/${l.name}`]);
       } catch {
         // gone meanwhile: the next round looks again
       }
