@@ -18,6 +18,7 @@ import {
   MiB,
   ownMountNamespace,
   scratchFilesystem,
+  SLOW,
   writeRandom,
 } from '../helpers/host.js';
 import { createVolume } from '../helpers/volumes.js';
@@ -72,9 +73,10 @@ function startWriter(
     });
   });
   // Stopped and gone: its open file in the pod's volume would make the unpublish that follows busy.
+  // A writer blocked on a filesystem a failed test left frozen may not die: given up on after 10 s.
   const stop = async (): Promise<void> => {
     proc.kill('SIGTERM');
-    await exited;
+    await Promise.race([exited, new Promise((r) => setTimeout(r, 10_000 * SLOW))]);
   };
   return { proc, written: () => last, stop };
 }
