@@ -62,7 +62,10 @@ async function fileIdsUnder(root: string, skip: Set<string>): Promise<Map<string
  */
 export async function leaksUnder(root: string): Promise<Leaks> {
   const { loops, mounts } = await leakedUnder(root);
-  return { loops: loops.map((l) => l.line), mounts };
+  // A device whose detach was asked while something held it says so (what holds it is then the question).
+  const line = (l: LeakedLoop): string =>
+    sysOf(l.name, 'loop/autoclear') === '1' ? `${l.line} (detach pending)` : l.line;
+  return { loops: loops.map(line), mounts };
 }
 
 /** A leaked loop device as listed: its line, and what sysfs showed of it then (to detach only that). */
@@ -138,6 +141,13 @@ export async function isMounted(mountPoint: string): Promise<boolean> {
  * device was ours. A lazy unmount is the last resort.
  */
 export async function cleanupUnder(root: string): Promise<Leaks> {
+  // A detach the file asked for while something else had the device open for a moment (another file's
+  // `losetup --list`, running beside it) ends at that close: given a second, it is not a leak.
+  for (let i = 0; i < 50; i++) {
+    const pending = (await leakedUnder(root)).loops.some((l) => sysOf(l.name, 'loop/autoclear') === '1');
+    if (!pending) break;
+    await new Promise((r) => setTimeout(r, 20));
+  }
   const found = await leaksUnder(root);
   for (let round = 0; round < 4; round++) {
     const now = await leakedUnder(root);
