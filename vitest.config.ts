@@ -1,7 +1,14 @@
+import { availableParallelism } from 'node:os';
 import { configDefaults, defineConfig } from 'vitest/config';
 
-/** Integration files at once: LOOPVOL_TEST_WORKERS, else 3. */
-const integrationWorkers = Math.max(1, Number.parseInt(process.env.LOOPVOL_TEST_WORKERS ?? '', 10) || 3);
+/**
+ * Integration files at once: LOOPVOL_TEST_WORKERS, else 3, and no more than one beyond the CPUs (the
+ * files wait on the kernel most of the time, but their drivers' deadlines are real).
+ */
+const integrationWorkers = Math.max(
+  1,
+  Number.parseInt(process.env.LOOPVOL_TEST_WORKERS ?? '', 10) || Math.min(3, availableParallelism() + 1),
+);
 
 export default defineConfig({
   test: {
