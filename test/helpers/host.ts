@@ -3,14 +3,15 @@
  * image lives there, mounts there), cleaning up exactly that, and scratch filesystems for pools.
  */
 import { execFileSync } from 'node:child_process';
-import { readFileSync } from 'node:fs';
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { pino } from 'pino';
 import { bindExec, ExecRunner } from '../../src/exec/runner.js';
+import { readSys } from '../../src/host/loop.js';
 import { mkfsCompat } from '../../src/host/mkfs-compat.js';
+import { parseMountInfo } from '../../src/host/mounts.js';
 
 export interface Leaks {
   loops: string[];
@@ -19,10 +20,6 @@ export interface Leaks {
 
 function sh(cmd: string, args: string[]): string {
   return execFileSync(cmd, args, { encoding: 'utf8', env: { ...process.env, LC_ALL: 'C' } });
-}
-
-function unescape(s: string): string {
-  return s.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
 }
 
 /** glibc's encoding of st_dev → "major:minor" (what losetup's BACK-MAJ:MIN shows). */
@@ -61,12 +58,20 @@ async function fileIdsUnder(root: string, skip: Set<string>): Promise<Map<string
  * also inside a scratch pool's filesystem mounted under `root`.
  */
 export async function leaksUnder(root: string): Promise<Leaks> {
-  const { loops, mounts } = await leakedUnder(root);
-  // A device whose detach was asked while something held it says so (what holds it is then the question).
-  const line = (l: LeakedLoop): string =>
-    sysOf(l.name, 'loop/autoclear') === '1' ? `${l.line} (detach pending)` : l.line;
-  return { loops: loops.map(line), mounts };
+  return reported(await leakedUnder(root));
 }
+
+/** A device whose detach was asked while something held it says so (what holds it is the question). */
+const pending = (l: LeakedLoop): boolean => sysOf(l.name, 'loop/autoclear') === '1';
+
+const reported = ({ loops, mounts }: { loops: LeakedLoop[]; mounts: string[] }): Leaks => ({
+  loops: loops.map((l) => (pending(l) ? `${l.line} (detach pending)` : l.line)),
+  mounts,
+});
+
+/** Whether `l` still shows what it was listed with (its number may serve another image by now). */
+const unchanged = (l: LeakedLoop): boolean =>
+  sysOf(l.name, 'loop/backing_file') === l.shown && sysOf(l.name, 'diskseq') === l.seq;
 
 /** A leaked loop device as listed: its line, and what sysfs showed of it then (to detach only that). */
 interface LeakedLoop {
@@ -76,21 +81,15 @@ interface LeakedLoop {
   seq: string;
 }
 
-const sysOf = (name: string, file: string): string => {
-  try {
-    return readFileSync(`/sys/block/${name}/${file}`, 'utf8').trim();
-  } catch {
-    return '';
-  }
-};
+/** One sysfs attribute of loop device `name`, '' when it has none (not attached), as the driver reads it. */
+const sysOf = (name: string, file: string): string => readSys(`/sys/block/${name}/${file}`) ?? '';
 
 async function leakedUnder(root: string): Promise<{ loops: LeakedLoop[]; mounts: string[] }> {
   const prefix = `${root}/`;
-  const under = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .map((l) => ({ mp: unescape(l.split(' ')[4] ?? ''), type: l.split(' - ')[1]?.split(' ')[0] ?? '' }))
-    .filter(({ mp }) => mp === root || mp.startsWith(prefix));
-  const mounts = under.map((m) => m.mp).sort((a, b) => b.length - a.length);
+  const under = parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8')).filter(
+    (m) => m.mountPoint === root || m.mountPoint.startsWith(prefix),
+  );
+  const mounts = under.map((m) => m.mountPoint).sort((a, b) => b.length - a.length);
   const loops: LeakedLoop[] = [];
   const others = new Map<string, { shown: string; seq: string }>();
   for (const name of await fs.readdir('/sys/block')) {
@@ -115,7 +114,10 @@ async function leakedUnder(root: string): Promise<{ loops: LeakedLoop[]; mounts:
       listed = [];
     }
     const local = new Set(['ext4', 'xfs', 'btrfs', 'tmpfs']);
-    const ids = await fileIdsUnder(root, new Set(under.filter((m) => !local.has(m.type)).map((m) => m.mp)));
+    const ids = await fileIdsUnder(
+      root,
+      new Set(under.filter((m) => !local.has(m.fsType)).map((m) => m.mountPoint)),
+    );
     for (const d of listed) {
       const name = path.basename(d.name ?? '');
       const seen = others.get(name);
@@ -128,9 +130,9 @@ async function leakedUnder(root: string): Promise<{ loops: LeakedLoop[]; mounts:
 
 /** Whether `mountPoint` is a mount point in this process's mount namespace. */
 export async function isMounted(mountPoint: string): Promise<boolean> {
-  return (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .some((l) => unescape(l.split(' ')[4] ?? '') === mountPoint);
+  return parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8')).some(
+    (m) => m.mountPoint === mountPoint,
+  );
 }
 
 /**
@@ -143,18 +145,13 @@ export async function isMounted(mountPoint: string): Promise<boolean> {
 export async function cleanupUnder(root: string): Promise<Leaks> {
   // A detach the file asked for while something else had the device open for a moment (another file's
   // `losetup --list`, running beside it) ends at that close: given a second, it is not a leak.
-  for (let i = 0; i < 50; i++) {
-    const pending = (await leakedUnder(root)).loops.some((l) => sysOf(l.name, 'loop/autoclear') === '1');
-    if (!pending) break;
-    await new Promise((r) => setTimeout(r, 20));
-  }
-  const found = await leaksUnder(root);
+  const waiting = (await leakedUnder(root)).loops.filter(pending);
+  for (let i = 0; i < 50 && waiting.some(unchanged); i++) await new Promise((r) => setTimeout(r, 20));
+  let now = await leakedUnder(root);
+  const found = reported(now);
   for (let round = 0; round < 4; round++) {
-    const now = await leakedUnder(root);
     if (now.loops.length === 0 && now.mounts.length === 0) return found;
-    for (const l of now.loops) {
-      // Still what was listed: its number may serve another file's image by now.
-      if (sysOf(l.name, 'loop/backing_file') !== l.shown || sysOf(l.name, 'diskseq') !== l.seq) continue;
+    for (const l of now.loops.filter(unchanged)) {
       try {
         sh('losetup', ['-d', `/dev/${l.name}`]);
       } catch {
@@ -168,8 +165,9 @@ export async function cleanupUnder(root: string): Promise<Leaks> {
         // busy: the next round
       }
     }
+    now = await leakedUnder(root);
   }
-  for (const mp of (await leaksUnder(root)).mounts) sh('umount', ['-l', mp]);
+  for (const mp of now.mounts) sh('umount', ['-l', mp]);
   return found;
 }
 
