@@ -78,6 +78,14 @@ export function runMain(args: string[]): Promise<{ code: number | null; stdout: 
  */
 export const started: { endpoint: string; logs: () => string[]; stderr: () => string }[] = [];
 
+/** Prints to stderr, under `title`, the last `last` of `lines` a driver logged, and its stderr if any. */
+export function printLog(title: string, lines: readonly string[], stderr = '', last = 200): void {
+  const shown = lines.slice(-last);
+  const cut = lines.length > shown.length ? ` (its last ${last} of ${lines.length} lines)` : '';
+  const err = stderr.trim() ? `--- its stderr ---\n${stderr.trim()}\n` : '';
+  process.stderr.write(`\n--- ${title}${cut} ---\n${shown.join('\n')}\n${err}`);
+}
+
 export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> {
   const { args, socket, poolDir } = driverArgs(a);
   const argv = [...(a.wrap ?? []), process.execPath, MAIN, ...args];

@@ -6,7 +6,7 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
-import { type DriverArgs, type DriverProcess, startDriverProcess, tempDir } from './driver.js';
+import { type DriverArgs, type DriverProcess, printLog, startDriverProcess, tempDir } from './driver.js';
 import { cleanupUnder } from './host.js';
 
 export class TestEnv {
@@ -50,12 +50,8 @@ export class TestEnv {
     }
     // A leak is the file's failure, found after its tests: what its drivers did last says why.
     if (leaks.length > 0) {
-      for (const d of this.drivers) {
-        process.stderr.write(
-          `\n--- driver ${d.endpoint}, the file left ${leaks.join(', ')} (its last 100 log lines) ---\n` +
-            `${d.logs().slice(-100).join('\n')}\n`,
-        );
-      }
+      for (const d of this.drivers)
+        printLog(`driver ${d.endpoint}, the file left ${leaks.join(', ')}`, d.logs(), '', 100);
     }
     return leaks;
   }

@@ -4,23 +4,15 @@
  * test saw.
  */
 import { beforeEach } from 'vitest';
-import { started } from './driver.js';
-
-const LAST = 200;
+import { printLog, started } from './driver.js';
 
 beforeEach(({ onTestFailed }) => {
   const from = new Map(started.map((d) => [d, d.logs().length]));
   onTestFailed(({ task }) => {
     for (const d of started) {
       const lines = d.logs().slice(from.get(d) ?? 0);
-      const err = d.stderr().trim();
-      if (lines.length === 0 && err === '') continue;
-      const shown = lines.slice(-LAST);
-      const cut = lines.length - shown.length;
-      process.stderr.write(
-        `\n--- driver ${d.endpoint} during "${task.name}"${cut > 0 ? ` (its last ${LAST} of ${lines.length} lines)` : ''} ---\n` +
-          `${shown.join('\n')}\n${err ? `--- its stderr ---\n${err}\n` : ''}`,
-      );
+      if (lines.length > 0 || d.stderr().trim() !== '')
+        printLog(`driver ${d.endpoint} during "${task.name}"`, lines, d.stderr());
     }
   });
 });
