@@ -7,12 +7,12 @@
  * stats asked of another volume's path. Every test checks what must have stayed as it was.
  */
 import { execFileSync, spawn } from 'node:child_process';
-import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
+import { readSys } from '../../src/host/loop.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isMounted, isRoot, MiB, ownMountNamespace, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
@@ -219,9 +219,9 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       // The unstage may have detached them, and another file running beside this one attached its own
       // image at the number since: only a device still on this image is detached.
       for (const dev of [first, second]) {
+        if (readSys(`/sys/block/${path.basename(dev)}/loop/backing_file`) !== image) continue;
         try {
-          if (readFileSync(`/sys/block/${path.basename(dev)}/loop/backing_file`, 'utf8').trim() === image)
-            sh('losetup', ['--detach', dev]);
+          sh('losetup', ['--detach', dev]);
         } catch {
           // detached meanwhile
         }

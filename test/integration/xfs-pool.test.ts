@@ -11,17 +11,13 @@ import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
+import { readSys } from '../../src/host/loop.js';
 import { codeOf } from '../helpers/grpc.js';
 import { isRoot, MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage, teardown } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const sh = (cmd: string, args: string[]): string => execFileSync(cmd, args, { encoding: 'utf8' });
-/** The attached loop devices' paths (whole names: /dev/loop1 is not /dev/loop12). */
-const attachedNames = (): string[] =>
-  sh('losetup', ['--list', '--noheadings', '--output', 'NAME'])
-    .split('\n')
-    .map((l) => l.trim());
 /** A 512-byte O_DIRECT read at byte 512, as a database made on 512-byte sectors does: EINVAL on 4096. */
 const directRead512 = (device: string): string => {
   try {
@@ -125,16 +121,8 @@ describe.skipIf(!isRoot())('XFS volumes on an XFS pool', () => {
     let after: object;
     // Whether the driver's teardown left the device it took over attached to this volume's image (its
     // number may serve another file's image by then: files run side by side).
-    const onThisImage = (): boolean => {
-      try {
-        return (
-          attachedNames().includes(left) &&
-          sh('losetup', ['--noheadings', '--output', 'BACK-FILE', left]).includes(vol.id)
-        );
-      } catch {
-        return false; // detached between the two looks
-      }
-    };
+    const onThisImage = (): boolean =>
+      readSys(`/sys/block/${path.basename(left)}/loop/backing_file`) === image;
     let stillAttached = true;
     try {
       await stage(d, vol.id, st, cap);
