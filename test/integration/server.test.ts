@@ -105,6 +105,12 @@ describe('identity over a unix socket', () => {
   });
 });
 
+/** When `d` logged `msg` (its line's own time), NaN when it did not. */
+const logTime = (d: DriverProcess, msg: string): number => {
+  const line = d.logs().find((l) => l.includes(`"msg":"${msg}"`));
+  return line ? Date.parse((JSON.parse(line) as { time: string }).time) : Number.NaN;
+};
+
 describe('the socket', () => {
   it('creates the parent directory and removes the socket on SIGTERM, exiting 0', async () => {
     const base = await dir('sigterm');
@@ -156,12 +162,14 @@ describe('the socket', () => {
         exitedAt = Date.now();
         return c;
       });
+      // Started while the old one still answers on the socket for a moment (the signal takes a moment
+      // to act): its own log, not an answer on the socket, says when the new one began to serve.
       const second = await driver({ dir: base });
-      const readyAt = Date.now();
       expect(await staged).toBe('OK');
       expect(await exited).toBe(0);
       expect(exitedAt).toBeGreaterThan(0);
-      expect(readyAt).toBeGreaterThanOrEqual(exitedAt);
+      expect(await second.waitForLog((l) => l.includes('"msg":"loopvol is serving"'))).toBe(true);
+      expect(logTime(second, 'loopvol is serving')).toBeGreaterThanOrEqual(logTime(first, 'stopped'));
       expect(await second.waitForLog((l) => l.includes('still finishing its calls'))).toBe(true);
       // The successor owns the volume now: it tears the staging down.
       expect(
