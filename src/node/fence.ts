@@ -30,9 +30,9 @@ import {
   loopOfMount,
   lookAtHost,
   type NodeDeps,
-  othersLoops,
   stagingLoop,
 } from './on-host.js';
+import { othersLoops } from './neighbours.js';
 
 /** The in-process keys calls hold (the server's in-flight set). */
 export interface KeyLocks {

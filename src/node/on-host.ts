@@ -261,29 +261,6 @@ export function refuseWritableBinds(
   }
 }
 
-/**
- * Loop devices of the volume that belong to other nodes' stagings. Only several node plugins sharing
- * one host (a test rig, or a pool tried out on one machine) ever see them; they are never reused, and
- * never detached, by this node.
- */
-export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>> {
-  const others = new Set<string>();
-  if (on.loops.length === 0) return others;
-  const leases = await d.volumes.leases(on.id);
-  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
-  for (const l of leases) {
-    if (l.node === d.nodeId) continue;
-    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers, or
-    // another reader) names nothing here. Kubelet's staging path is the same on every node, so reading
-    // it against this host's mount table would take this node's own staging for that node's; a path
-    // this node's own lease names is this node's whatever the boot ids say (they may be unreadable).
-    if ((l.bootId !== undefined && l.bootId !== d.bootId) || ownPaths.has(l.stagingPath)) continue;
-    const theirs = stagingLoop(on.loops, l, on.mounts);
-    if (theirs) others.add(theirs.name);
-  }
-  return others;
-}
-
 /** Whether `p` is `dir` or lies beneath it. */
 const within = (p: string, dir: string): boolean => p === dir || p.startsWith(dir === '/' ? '/' : `${dir}/`);
 

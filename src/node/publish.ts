@@ -30,12 +30,12 @@ import {
   lookAtHost,
   mustGetVolume,
   type NodeDeps,
-  othersLoops,
   refuseHidingFiles,
   refuseWritableBinds,
   shows,
   stagingLoop,
 } from './on-host.js';
+import { othersLoops, untouchable } from './neighbours.js';
 import { unmountIfOurs } from './stage.js';
 import { detachUnused } from './unstage.js';
 
@@ -291,7 +291,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   if (ours.some(isDeviceBind)) {
     // A read-only loop device attached only for this block publish goes with it.
     const staged = stagingLoop(on.loops, lease, table);
-    const others = await othersLoops(d, on);
+    const others = await untouchable(d, on);
     if (staged)
       await detachUnused(
         d,

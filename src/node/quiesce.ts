@@ -15,15 +15,8 @@ import type { LoopDevice } from '../host/host.js';
 import type { AnswerState, QuiesceAnswer, QuiesceBoard, QuiesceRequest } from '../pool/quiesce.js';
 import { telemetry } from '../telemetry.js';
 import { type FenceGuard, type KeyLocks, nodeKey } from './fence.js';
-import {
-  isDeviceBind,
-  leaseView,
-  loopOfMount,
-  lookAtHost,
-  type NodeDeps,
-  othersLoops,
-  stagingLoop,
-} from './on-host.js';
+import { isDeviceBind, leaseView, loopOfMount, lookAtHost, type NodeDeps, stagingLoop } from './on-host.js';
+import { othersLoops } from './neighbours.js';
 
 const POLL_MS = 200;
 /** How long an expiry waits to write "expired" before it thaws anyway. */

@@ -36,10 +36,10 @@ import {
   lookAtHost,
   mustGetVolume,
   type NodeDeps,
-  othersLoops,
   refuseHidingFiles,
   shows,
 } from './on-host.js';
+import { othersLoops, untouchable } from './neighbours.js';
 
 export interface StageRequest {
   id: string;
@@ -126,7 +126,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
 
   // A loop device of this image that nothing uses is a leftover of an interrupted call: reused when it
   // is attached the right way round, detached otherwise. One in use is another staging's.
-  const others = await othersLoops(d, on);
+  const others = await untouchable(d, on);
   const mine = on.loops.filter((l) => !others.has(l.name));
   const inUse = (l: LoopDevice): boolean => on.mounts.some((m) => loopOfMount(m, [l]));
   // One attached the same way and mounted somewhere here (a pod's bind of a staging mount that is
@@ -331,8 +331,10 @@ async function detachLeftover(d: NodeDeps, x: Exec, id: string, l: LoopDevice): 
 /** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */
 async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<string>): Promise<void> {
   const now = await lookAtHost(d, x, id);
+  const others = await untouchable(d, now);
   for (const l of now.loops) {
-    if (before.has(attachmentKey(l)) || now.mounts.some((m) => loopOfMount(m, [l]))) continue;
+    if (before.has(attachmentKey(l)) || others.has(l.name) || now.mounts.some((m) => loopOfMount(m, [l])))
+      continue;
     x.log.warn({ device: l.path }, 'detaching a loop device an interrupted attach left');
     await d.host.detach(x, l);
   }

@@ -20,10 +20,10 @@ import {
   loopOfMount,
   lookAtHost,
   type NodeDeps,
-  othersLoops,
   shows,
   stagingLoop,
 } from './on-host.js';
+import { untouchable } from './neighbours.js';
 
 export interface UnstageRequest {
   id: string;
@@ -56,8 +56,9 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     return;
   }
 
-  // Loop devices of other nodes' stagings (several node plugins on one host) are not ours to judge or detach.
-  const others = await othersLoops(d, on);
+  // Loop devices of other nodes' stagings (several node plugins on one host) are not ours to judge or
+  // detach, nor one a stage of theirs under way may have just attached.
+  const others = await untouchable(d, on);
   const ours = on.loops.filter((l) => !others.has(l.name));
   const published = on.mounts.filter((m) => m.mountPoint !== staging && loopOfMount(m, ours));
   if (published.length > 0) {

@@ -1,0 +1,62 @@
+/**
+ * Other node plugins on this host. Only several node plugins sharing one host ever see each other's
+ * loop devices of a volume (DESIGN's shared pool on one machine: a test rig, or a pool tried out before
+ * a cluster), and only of a volume several nodes may stage at once (MULTI_NODE_READER_ONLY, attached
+ * read-only), or one taken from a node while it held it. A device of theirs is never reused, and never
+ * detached, by this node.
+ */
+import type { LoopDevice } from '../host/host.js';
+import type { Lease } from '../pool/types.js';
+import { loopOfMount, type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
+
+/** The other nodes' leases of the volume that may name devices here, and what their stagings show. */
+async function neighbours(
+  d: NodeDeps,
+  on: OnHost,
+): Promise<{ own?: Lease; theirs: Set<string>; underWay: Lease[] }> {
+  const theirs = new Set<string>();
+  const underWay: Lease[] = [];
+  if (on.loops.length === 0) return { theirs, underWay };
+  const leases = await d.volumes.leases(on.id);
+  const own = leases.find((l) => l.node === d.nodeId);
+  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
+  for (const l of leases) {
+    if (l.node === d.nodeId) continue;
+    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers, or
+    // another reader) names nothing here. Kubelet's staging path is the same on every node, so reading
+    // it against this host's mount table would take this node's own staging for that node's; a path
+    // this node's own lease names is this node's whatever the boot ids say (they may be unreadable).
+    if ((l.bootId !== undefined && l.bootId !== d.bootId) || ownPaths.has(l.stagingPath)) continue;
+    const shown = stagingLoop(on.loops, l, on.mounts);
+    if (shown) theirs.add(shown.name);
+    else if (l.revokedAt === undefined) underWay.push(l);
+  }
+  return { ...(own ? { own } : {}), theirs, underWay };
+}
+
+/** Loop devices of the volume that other nodes' stagings on this host show: not this node's to judge. */
+export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>> {
+  return (await neighbours(d, on)).theirs;
+}
+
+/**
+ * Loop devices of the volume this node must neither reuse nor detach: those other nodes' stagings show
+ * (othersLoops), and, while another node's stage on this host is under way (its lease taken, its
+ * device not yet named in it or not yet mounted at its staging path), every device of the volume that
+ * no mount here uses, except the one this node's own lease names. Such a
+ * device may be the one that stage has just attached (read-only, or read-write to format a blank
+ * volume) and is about to format or mount: detached, its number could go to another image, which the
+ * stage would then format (mkfs.ext4 overwrites a filesystem it finds when no terminal is there to ask)
+ * or mount for its pods; reused, two nodes' stagings would share one device, and each would take the
+ * other's mount for a stranger's. What this leaves of this node's own (an interrupted call's device)
+ * goes once that stage has ended.
+ */
+export async function untouchable(d: NodeDeps, on: OnHost): Promise<Set<string>> {
+  const { own, theirs, underWay } = await neighbours(d, on);
+  if (underWay.length === 0) return theirs;
+  // This node's staging shows its device (a mount uses it); a raw block staging's lease names it.
+  const unused = (l: LoopDevice): boolean => !on.mounts.some((m) => loopOfMount(m, [l]));
+  const result = new Set(theirs);
+  for (const l of on.loops) if (l.name !== own?.device && unused(l)) result.add(l.name);
+  return result;
+}

@@ -1,0 +1,105 @@
+/**
+ * Several node plugins on one host sharing one pool (DESIGN's shared pool, as tested here): a volume
+ * several nodes stage at once (MULTI_NODE_READER_ONLY) has a loop device per node. While one node's
+ * stage is under way (its device attached, not yet named in its lease nor mounted), another node must
+ * neither reuse that device for its own staging nor detach it when it unstages: detached, its number
+ * can go to another volume's image, which the first stage then mounts for its pods. Real drivers, loop
+ * devices and mounts; the first node's stage is held right after its attach by a pause point.
+ */
+import { execFileSync } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { afterAll, describe, expect, it } from 'vitest';
+import { mountCap, TestEnv } from '../helpers/env.js';
+import { isRoot, MiB, SLOW } from '../helpers/host.js';
+import { createVolume, stage } from '../helpers/volumes.js';
+
+const env = new TestEnv();
+const RUN = Date.now().toString(36);
+afterAll(async () => {
+  expect(await env.teardown()).toEqual([]);
+});
+
+/** The source of the mount at `mp` in this process's mount table ('' when nothing is mounted there). */
+async function sourceOf(mp: string): Promise<string> {
+  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .find((l) => l.split(' ')[4] === mp);
+  return line?.split(' - ')[1]?.split(' ')[1] ?? '';
+}
+
+const uuidOf = (dev: string): string =>
+  execFileSync('blkid', ['-p', '-s', 'UUID', '-o', 'value', dev], { encoding: 'utf8' }).trim();
+
+/** The backing file sysfs shows for `/dev/loopN`, or '' when it is detached. */
+async function backingOf(dev: string): Promise<string> {
+  const name = path.basename(dev);
+  return (await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').catch(() => '')).trim();
+}
+
+describe.skipIf(!isRoot())('two node plugins on one host, while one of them stages a shared volume', () => {
+  it("the other neither reuses nor detaches the device that stage has just attached, and the stage mounts the volume's own filesystem", async () => {
+    const base = await env.dir('neighbours');
+    const d = await env.driver({ dir: base });
+    const pause = 6000 * SLOW;
+    const a = await env.driver({
+      dir: base,
+      socket: path.join(base, 'node-a.sock'),
+      nodeId: 'node-a',
+      mode: 'node',
+      env: { LOOPVOL_PAUSEPOINT: `stage:attached:${pause}` },
+    });
+    const b = await env.nodePlugin(base, 'node-b');
+    const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
+    const { id } = await createVolume(d, `pvc-shared-${RUN}`, cap, 64 * MiB, null);
+    for (const node of ['node-a', 'node-b']) {
+      await d.clients.controller.ControllerPublishVolume({
+        volume_id: id,
+        node_id: node,
+        volume_capability: cap,
+        readonly: true,
+      });
+    }
+    // Node b formats it (its first stage), and lets it go.
+    const sb = path.join(base, 'b');
+    await stage(b, id, sb, cap);
+    const uuid = uuidOf(await sourceOf(sb));
+    expect(uuid).not.toBe('');
+    await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
+
+    // Node a's stage attaches its device and is held there.
+    const sa = path.join(base, 'a');
+    const started = Date.now();
+    const staging = stage(a, id, sa, cap);
+    staging.catch(() => undefined); // awaited below; a failure before then is reported there
+    const attached = (l: string): boolean => l.includes('attached loop device') && l.includes(id);
+    expect(await a.waitForLog(attached)).toBe(true);
+    const da = (JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string }).device ?? '';
+    expect(da).toMatch(/^\/dev\/loop\d+$/);
+    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+
+    // Meanwhile node b stages the volume on a device of its own, and unstages it, leaving a's.
+    await stage(b, id, sb, cap);
+    const db = await sourceOf(sb);
+    expect(db).toMatch(/^\/dev\/loop\d+$/);
+    expect(db).not.toBe(da);
+    await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
+    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    // Another volume attached now takes a free number; a's is not free.
+    const other = await createVolume(d, `pvc-other-${RUN}`, mountCap('ext4'), 64 * MiB, 'node-b');
+    const so = path.join(base, 'other');
+    await stage(b, other.id, so, mountCap('ext4'));
+    expect(await sourceOf(so)).not.toBe(da);
+    // All of this happened while a's stage was held (else the test proved nothing).
+    expect(Date.now() - started).toBeLessThan(pause);
+
+    await staging;
+    expect(await sourceOf(sa)).toBe(da);
+    expect(uuidOf(da)).toBe(uuid);
+    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+
+    await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
+    expect(await backingOf(da)).toBe('');
+    await b.clients.node.NodeUnstageVolume({ volume_id: other.id, staging_target_path: so });
+  });
+});

@@ -1,0 +1,111 @@
+/**
+ * Which of a volume's loop devices another node plugin on this host may be using (src/node/neighbours.ts):
+ * the decisions alone, from leases and a host view written out by hand. The kernel's side is in
+ * test/integration/neighbours.test.ts.
+ */
+import { describe, expect, it } from 'vitest';
+import type { LoopDevice } from '../../src/host/host.js';
+import type { MountEntry } from '../../src/host/mounts.js';
+import { othersLoops, untouchable } from '../../src/node/neighbours.js';
+import type { NodeDeps, OnHost } from '../../src/node/on-host.js';
+import type { Lease } from '../../src/pool/types.js';
+
+const BOOT = 'boot-1';
+
+const loop = (n: number, readOnly = true): LoopDevice => ({
+  name: `loop${n}`,
+  path: `/dev/loop${n}`,
+  majorMinor: `7:${n}`,
+  backingFile: '/pool/volumes/vol-1/disk.img',
+  backing: { dev: '1', ino: '2' },
+  readOnly,
+  directIo: true,
+  autoclear: false,
+  sizeBytes: 1 << 26,
+});
+
+const mountOf = (n: number, mountPoint: string): MountEntry => ({
+  id: 100 + n,
+  parent: 1,
+  majorMinor: `7:${n}`,
+  root: '/',
+  mountPoint,
+  options: ['ro'],
+  fsType: 'ext4',
+  source: `/dev/loop${n}`,
+  superOptions: ['ro'],
+});
+
+const lease = (node: string, more: Partial<Lease> = {}): Lease => ({
+  node,
+  stagingPath: `/staging/${node}`,
+  accessType: 'mount',
+  mode: 'MULTI_NODE_READER_ONLY',
+  readonly: true,
+  since: '2026-12-02T00:00:00Z',
+  bootId: BOOT,
+  ...more,
+});
+
+function world(leases: Lease[], loops: LoopDevice[], mounts: MountEntry[] = []): { d: NodeDeps; on: OnHost } {
+  const d = {
+    nodeId: 'me',
+    bootId: BOOT,
+    volumes: { leases: () => Promise.resolve(leases) },
+  } as unknown as NodeDeps;
+  const on: OnHost = {
+    id: 'vol-1',
+    image: '/pool/volumes/vol-1/disk.img',
+    imageId: undefined,
+    loops,
+    allLoops: loops,
+    mounts,
+  };
+  return { d, on };
+}
+
+const names = async (p: Promise<Set<string>>): Promise<string[]> => [...(await p)].sort();
+
+describe("another node's stage under way on this host", () => {
+  it('makes every unused device of the volume untouchable, but not the one this node staged', async () => {
+    const { d, on } = world(
+      [lease('me', { device: 'loop1' }), lease('other')],
+      [loop(1), loop(2), loop(3, false)],
+      [mountOf(1, '/staging/me')],
+    );
+    expect(await names(othersLoops(d, on))).toEqual([]);
+    expect(await names(untouchable(d, on))).toEqual(['loop2', 'loop3']);
+  });
+
+  it("leaves a device any mount here uses to the usual judgement (this node's pods, or a staging that shows it)", async () => {
+    const { d, on } = world([lease('other')], [loop(1), loop(2)], [mountOf(1, '/pods/p1')]);
+    expect(await names(untouchable(d, on))).toEqual(['loop2']);
+  });
+
+  it("keeps this node's raw block device, which only its lease names", async () => {
+    const { d, on } = world(
+      [lease('me', { accessType: 'block', device: 'loop4' }), lease('other')],
+      [loop(4), loop(5)],
+    );
+    expect(await names(untouchable(d, on))).toEqual(['loop5']);
+  });
+
+  it('counts no stage under way once the other staging shows its device', async () => {
+    const { d, on } = world([lease('other')], [loop(1), loop(2)], [mountOf(1, '/staging/other')]);
+    expect(await names(othersLoops(d, on))).toEqual(['loop1']);
+    expect(await names(untouchable(d, on))).toEqual(['loop1']);
+  });
+
+  it("ignores another host's lease and a revoked one: they name nothing attached here", async () => {
+    const { d, on } = world(
+      [lease('far', { bootId: 'boot-2' }), lease('gone', { revokedAt: '2026-12-02T00:00:01Z' })],
+      [loop(1), loop(2)],
+    );
+    expect(await names(untouchable(d, on))).toEqual([]);
+  });
+
+  it("takes a lease at this node's own staging path for its own, whatever node it names", async () => {
+    const { d, on } = world([lease('me'), lease('other', { stagingPath: '/staging/me' })], [loop(1)]);
+    expect(await names(untouchable(d, on))).toEqual([]);
+  });
+});
