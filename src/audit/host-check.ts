@@ -24,6 +24,11 @@ export interface HostCheckOptions {
   nodeIds?: readonly string[];
   /** Find out whether xfs and btrfs filesystems are frozen by trying to freeze them (see frozen.ts). */
   probeFrozen: boolean;
+  /**
+   * Once aborted (the operator's Ctrl-C), no further filesystem is probed; the probe under way ends as
+   * it would (it thaws what it froze), so the check must not exit before it returns.
+   */
+  stopProbing?: AbortSignal;
 }
 
 export interface HostCheck {
@@ -145,7 +150,12 @@ export async function hostFindings(
     if (rw) {
       if (rw.fsType === 'ext4') frozen = await ext4Frozen(dev);
       else if (standing === 'frozen') frozen = 'frozen';
-      else if (opts.probeFrozen && standing === undefined && (isExplained || !volumeId))
+      else if (
+        opts.probeFrozen &&
+        !opts.stopProbing?.aborted &&
+        standing === undefined &&
+        (isExplained || !volumeId)
+      )
         frozen = await probeFrozen(x, rw.mountPoint);
       else notChecked++;
       if (frozen === 'frozen') {
@@ -234,7 +244,9 @@ export async function hostFindings(
   }
   if (notChecked > 0) {
     notes.push(
-      `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: only trying to freeze one tells (--probe-frozen does, and thaws at once)`,
+      opts.stopProbing?.aborted
+        ? `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: the probing was interrupted`
+        : `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: only trying to freeze one tells (--probe-frozen does, and thaws at once)`,
     );
   }
   return { view, findings, notes };

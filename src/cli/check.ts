@@ -4,8 +4,11 @@ import { type Finding, isProblem } from '../audit/findings.js';
 import { collectGarbage } from '../audit/gc.js';
 import { DEFAULT_KUBELET_DIR } from '../audit/host-check.js';
 import { DEFAULT_LOCK_STALE_SECONDS, DEFAULT_TRASH_AGE_SECONDS } from '../audit/pool-check.js';
+import type { Logger } from 'pino';
+import type { Exec } from '../exec/runner.js';
 import { kernelHost } from '../host/host.js';
 import { isNodeId } from '../pool/ids.js';
+import type { Pool } from '../pool/pool.js';
 import {
   cliExec,
   cliLogger,
@@ -51,7 +54,8 @@ export const CHECK_USAGE =
   '  Filesystems a node fenced on purpose, and freezes of a copy in progress, are notices.\n' +
   '  Reads only (except --probe-frozen). Safe while the driver runs.\n' +
   CHECK_FLAGS_HELP +
-  'Exit status: 0 nothing but notices, 1 problems found, 2 bad flags, 3 the pool could not be read.\n';
+  'Exit status: 0 nothing but notices, 1 problems found, 2 bad flags, 3 the pool could not be read,\n' +
+  '  130 interrupted while probing (each filesystem it froze was thawed first).\n';
 
 export const GC_USAGE =
   'loopvol gc [--yes] [--pool-dir DIR] [--kubelet-dir DIR] [--only pool|host] [--json] [...]\n' +
@@ -112,7 +116,9 @@ export async function check(argv: string[]): Promise<number> {
     const opts = checkOptions(values);
     const log = cliLogger('silent');
     const pool = await openPool(values['pool-dir'], log);
-    const report = await runCheck(pool, log, kernelHost, cliExec(cliLogger()), opts);
+    const stop = interruptible('check', opts);
+    const report = await runCheck(pool, log, kernelHost, cliExec(cliLogger()), stop.opts).finally(stop.done);
+    if (stop.stopped()) return EXIT.interrupted;
     const code = report.findings.some(isProblem) ? EXIT.problems : EXIT.ok;
     if (values.json) {
       printJson({
@@ -136,49 +142,100 @@ export async function gc(argv: string[]): Promise<number> {
     const log = cliLogger('silent');
     const x = cliExec(cliLogger());
     const pool = await openPool(values['pool-dir'], log);
-    const report = await runCheck(pool, log, kernelHost, x, opts);
-    const planned = report.findings.filter((f) => f.gc !== undefined);
-    if (!values.yes) {
-      if (values.json) {
-        printJson({ dryRun: true, planned, left: report.findings.filter((f) => isProblem(f) && !f.gc) });
-      } else {
-        for (const f of planned)
-          process.stdout.write(`would ${f.gc?.action ?? '?'} ${f.subject}  (${f.kind}: ${f.detail})\n`);
-        const left = report.findings.filter((f) => isProblem(f) && !f.gc).length;
-        process.stdout.write(
-          `${planned.length === 0 ? 'nothing to remove' : `dry run: ${planned.length} thing(s) to remove; run loopvol gc --yes to remove them`}${left ? `; ${left} problem(s) need an operator (loopvol check)` : ''}\n`,
-        );
-      }
-      return EXIT.ok;
+    const stop = interruptible('gc', opts);
+    try {
+      return await collect(pool, log, x, stop.opts, values.yes, values.json, stop.stopped);
+    } finally {
+      stop.done();
     }
-    const outcomes = await collectGarbage(
-      {
-        pool,
-        host: kernelHost,
-        x,
-        recheckHost: () => recheckHost(pool, log, kernelHost, x, opts),
-        trashAgeSeconds: opts.trashAgeSeconds,
-      },
-      planned,
-    );
-    const failed = outcomes.filter((o) => o.result === 'failed');
-    if (values.json) {
-      printJson({
-        dryRun: false,
-        outcomes: outcomes.map((o) => ({
-          kind: o.finding.kind,
-          subject: o.finding.subject,
-          step: o.finding.gc,
-          result: o.result,
-          message: o.message,
-        })),
-      });
-    } else {
-      for (const o of outcomes)
-        process.stdout.write(`${o.result.padEnd(7)}  ${o.message}  (${o.finding.kind})\n`);
-      const removed = outcomes.filter((o) => o.result === 'removed').length;
-      process.stdout.write(`${removed} removed, ${failed.length} could not be removed\n`);
-    }
-    return failed.length > 0 ? EXIT.problems : EXIT.ok;
   });
+}
+
+async function collect(
+  pool: Pool,
+  log: Logger,
+  x: Exec,
+  opts: CheckOptions,
+  yes: boolean,
+  json: boolean,
+  stopped: () => boolean,
+): Promise<number> {
+  const report = await runCheck(pool, log, kernelHost, x, opts);
+  if (stopped()) return EXIT.interrupted;
+  const planned = report.findings.filter((f) => f.gc !== undefined);
+  if (!yes) {
+    if (json) {
+      printJson({ dryRun: true, planned, left: report.findings.filter((f) => isProblem(f) && !f.gc) });
+    } else {
+      for (const f of planned)
+        process.stdout.write(`would ${f.gc?.action ?? '?'} ${f.subject}  (${f.kind}: ${f.detail})\n`);
+      const left = report.findings.filter((f) => isProblem(f) && !f.gc).length;
+      process.stdout.write(
+        `${planned.length === 0 ? 'nothing to remove' : `dry run: ${planned.length} thing(s) to remove; run loopvol gc --yes to remove them`}${left ? `; ${left} problem(s) need an operator (loopvol check)` : ''}\n`,
+      );
+    }
+    return EXIT.ok;
+  }
+  const outcomes = await collectGarbage(
+    {
+      pool,
+      host: kernelHost,
+      x,
+      recheckHost: () => recheckHost(pool, log, kernelHost, x, opts),
+      trashAgeSeconds: opts.trashAgeSeconds,
+    },
+    planned,
+  );
+  const failed = outcomes.filter((o) => o.result === 'failed');
+  if (json) {
+    printJson({
+      dryRun: false,
+      outcomes: outcomes.map((o) => ({
+        kind: o.finding.kind,
+        subject: o.finding.subject,
+        step: o.finding.gc,
+        result: o.result,
+        message: o.message,
+      })),
+    });
+  } else {
+    for (const o of outcomes)
+      process.stdout.write(`${o.result.padEnd(7)}  ${o.message}  (${o.finding.kind})\n`);
+    const removed = outcomes.filter((o) => o.result === 'removed').length;
+    process.stdout.write(`${removed} removed, ${failed.length} could not be removed\n`);
+  }
+  return failed.length > 0 ? EXIT.problems : EXIT.ok;
+}
+
+/**
+ * A probe freezes a filesystem before it thaws it. With --probe-frozen, SIGINT (a Ctrl-C reaches
+ * fsfreeze too), SIGTERM and SIGHUP end the probing instead of the process: the command returns
+ * EXIT.interrupted once the probe under way has thawed what it froze, never before.
+ */
+function interruptible(
+  name: string,
+  opts: CheckOptions,
+): { opts: CheckOptions; stopped: () => boolean; done: () => void } {
+  if (!opts.probeFrozen) return { opts, stopped: () => false, done: () => undefined };
+  const stop = new AbortController();
+  const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+  const handler = (): void => {
+    if (!stop.signal.aborted)
+      process.stderr.write(
+        `loopvol ${name}: interrupted; ending the freeze probe under way (it thaws what it froze)\n`,
+      );
+    stop.abort();
+  };
+  for (const s of signals) process.on(s, handler);
+  return {
+    opts: { ...opts, stopProbing: stop.signal },
+    stopped: () => {
+      if (stop.signal.aborted)
+        process.stderr.write(`loopvol ${name}: interrupted; every filesystem it froze to probe was thawed\n`);
+      return stop.signal.aborted;
+    },
+    done: () => {
+      for (const s of signals) process.off(s, handler);
+    },
+  };
 }

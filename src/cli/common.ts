@@ -17,6 +17,8 @@ export const EXIT = {
   usage: 2,
   /** The pool (or the host) could not be looked at. */
   cannotLook: 3,
+  /** check --probe-frozen: stopped by a signal once the probe under way had thawed what it froze. */
+  interrupted: 130,
 } as const;
 
 export const EXIT_HELP =

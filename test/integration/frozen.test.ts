@@ -3,15 +3,17 @@
  * superblock, changing nothing; xfs only by trying to freeze it (--probe-frozen), which must leave a
  * filesystem that was not frozen thawed, and one that was frozen frozen.
  */
-import { execFileSync, spawnSync } from 'node:child_process';
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
 import { ext4Frozen, probeFrozen } from '../../src/audit/frozen.js';
 import { bindExec, ExecRunner } from '../../src/exec/runner.js';
-import { TestEnv } from '../helpers/env.js';
-import { isRoot, type ScratchFs, scratchFilesystem } from '../helpers/host.js';
+import { MAIN } from '../helpers/driver.js';
+import { mountCap, TestEnv } from '../helpers/env.js';
+import { isRoot, MiB, type ScratchFs, scratchFilesystem, SLOW } from '../helpers/host.js';
+import { createVolume, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const scratches: ScratchFs[] = [];
@@ -56,5 +58,68 @@ describe.skipIf(!isRoot())('frozen filesystems', () => {
     expect(await probeFrozen(x, s.mountPoint)).toBe('frozen');
     expect(isFrozen(s.mountPoint)).toBe(true); // still frozen: the probe thawed nothing
     execFileSync('fsfreeze', ['--unfreeze', s.mountPoint]);
+  });
+
+  it('check --probe-frozen, interrupted while its freeze holds, thaws the filesystem before it exits', async () => {
+    const base = await env.dir('frozen-cli');
+    const d = await env.driver({ dir: base });
+    const cap = mountCap('xfs');
+    const { id } = await createVolume(d, 'pvc-probe-interrupted', cap, 320 * MiB);
+    const staging = path.join(base, 'kubelet', 'staging', id);
+    await stage(d, id, staging, cap);
+    // An fsfreeze whose freeze took effect in the kernel while the command had not returned yet.
+    const bin = path.join(base, 'bin');
+    const mark = path.join(base, 'froze');
+    await fs.mkdir(bin);
+    await fs.writeFile(
+      path.join(bin, 'fsfreeze'),
+      '#!/bin/sh\nreal=$(PATH=/usr/sbin:/sbin:/usr/bin:/bin command -v fsfreeze)\n' +
+        'if [ "$1" = --freeze ]; then "$real" "$@" || exit $?; : > "$FROZE_MARK"; exec sleep 60; fi\n' +
+        'exec "$real" "$@"\n',
+      { mode: 0o755 },
+    );
+    try {
+      // Its own process group, as a command in a terminal: the Ctrl-C reaches fsfreeze too.
+      const cli = spawn(
+        process.execPath,
+        [
+          MAIN,
+          'check',
+          `--pool-dir=${d.poolDir}`,
+          `--kubelet-dir=${path.join(base, 'kubelet')}`,
+          '--probe-frozen',
+        ],
+        {
+          detached: true,
+          stdio: ['ignore', 'pipe', 'pipe'],
+          env: { ...process.env, PATH: `${bin}:${process.env.PATH ?? ''}`, FROZE_MARK: mark },
+        },
+      );
+      let stderr = '';
+      cli.stderr.on('data', (b: Buffer) => (stderr += b.toString()));
+      cli.stdout.resume();
+      const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) =>
+        cli.on('exit', (code, signal) => {
+          resolve({ code, signal });
+        }),
+      );
+      const until = Date.now() + 20_000 * SLOW;
+      while (
+        Date.now() < until &&
+        !(await fs.stat(mark).then(
+          () => true,
+          () => false,
+        ))
+      )
+        await new Promise((r) => setTimeout(r, 50));
+      expect(isFrozen(staging)).toBe(true); // the probe's freeze holds now
+      process.kill(-(cli.pid ?? 0), 'SIGINT');
+      expect(await exited).toEqual({ code: 130, signal: null });
+      expect(stderr).toMatch(/interrupted; every filesystem it froze to probe was thawed/);
+      expect(isFrozen(staging)).toBe(false);
+    } finally {
+      spawnSync('fsfreeze', ['--unfreeze', staging], { stdio: 'ignore' });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+    }
   });
 });
