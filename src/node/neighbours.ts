@@ -27,7 +27,10 @@ async function neighbours(
     // it against this host's mount table would take this node's own staging for that node's; a path
     // this node's own lease names is this node's whatever the boot ids say (they may be unreadable).
     if ((l.bootId !== undefined && l.bootId !== d.bootId) || ownPaths.has(l.stagingPath)) continue;
-    const shown = stagingLoop(on.loops, l, on.mounts);
+    // A raw block lease that names no device yet is a stage under way: which device it attached is not
+    // guessed (any of the volume's would do, this node's own too).
+    const shown =
+      l.accessType === 'block' && l.device === undefined ? undefined : stagingLoop(on.loops, l, on.mounts);
     if (shown) theirs.add(shown.name);
     else if (l.revokedAt === undefined) underWay.push(l);
   }
@@ -43,7 +46,7 @@ export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>>
  * Loop devices of the volume this node must neither reuse nor detach: those other nodes' stagings show
  * (othersLoops), and, while another node's stage on this host is under way (its lease taken, its
  * device not yet named in it or not yet mounted at its staging path), every device of the volume that
- * no mount here uses, except the one this node's own lease names. Such a
+ * no mount here uses, except this node's own raw block device (ownBlockDevice). Such a
  * device may be the one that stage has just attached (read-only, or read-write to format a blank
  * volume) and is about to format or mount: detached, its number could go to another image, which the
  * stage would then format (mkfs.ext4 overwrites a filesystem it finds when no terminal is there to ask)
@@ -54,9 +57,20 @@ export async function othersLoops(d: NodeDeps, on: OnHost): Promise<Set<string>>
 export async function untouchable(d: NodeDeps, on: OnHost): Promise<Set<string>> {
   const { own, theirs, underWay } = await neighbours(d, on);
   if (underWay.length === 0) return theirs;
-  // This node's staging shows its device (a mount uses it); a raw block staging's lease names it.
   const unused = (l: LoopDevice): boolean => !on.mounts.some((m) => loopOfMount(m, [l]));
   const result = new Set(theirs);
-  for (const l of on.loops) if (l.name !== own?.device && unused(l)) result.add(l.name);
+  for (const l of on.loops) if (!ownBlockDevice(d, own, l) && unused(l)) result.add(l.name);
   return result;
+}
+
+/**
+ * Whether `l` is the device this node's raw block staging attached: the one its lease names, named in
+ * this boot, with the disk sequence number it had then (where the kernel changes it at every attach).
+ * A filesystem staging's device is in use by its mount; an unused one (a failed mount's, say) is left
+ * to the next call once that stage has ended, since a name the lease kept may have gone to another node's
+ * device since.
+ */
+function ownBlockDevice(d: NodeDeps, own: Lease | undefined, l: LoopDevice): boolean {
+  if (own?.accessType !== 'block' || own.device !== l.name || own.bootId !== d.bootId) return false;
+  return own.deviceSeq === undefined || l.seq === undefined || own.deviceSeq === l.seq;
 }

@@ -39,7 +39,7 @@ import {
   refuseHidingFiles,
   shows,
 } from './on-host.js';
-import { othersLoops, untouchable } from './neighbours.js';
+import { untouchable } from './neighbours.js';
 
 export interface StageRequest {
   id: string;
@@ -263,7 +263,11 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
 
     // The lease names the device (a hint, checked against /sys/block): for a raw block volume it is
     // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
-    const naming = d.volumes.takeLease(r.id, { ...lease, device: loop.name });
+    const naming = d.volumes.takeLease(r.id, {
+      ...lease,
+      device: loop.name,
+      ...(loop.seq !== undefined ? { deviceSeq: loop.seq } : {}),
+    });
     if (r.cap.accessType === 'block') {
       await naming;
       if (!recorded)
@@ -354,7 +358,7 @@ export async function unmountIfOurs(d: NodeDeps, x: Exec, id: string, p: string)
  */
 async function dropLeaseIfGone(d: NodeDeps, x: Exec, id: string): Promise<void> {
   const on = await lookAtHost(d, x, id);
-  const others = await othersLoops(d, on);
+  const others = await untouchable(d, on);
   const left = on.loops.filter((l) => !others.has(l.name));
   if (left.length > 0) {
     x.log.error(

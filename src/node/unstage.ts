@@ -97,6 +97,13 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     throw fencedError(r.id, held.path);
   }
   await detachUnused(d, x, ours, table);
+  const spared = on.loops.filter((l) => others.has(l.name) && !table.some((m) => loopOfMount(m, [l])));
+  if (spared.length > 0) {
+    x.log.info(
+      { devices: spared.map((l) => l.path) },
+      'left devices of the volume that another node plugin on this host may be using (its stage is under way, or its staging cannot be seen from here); loopvol check reports one that stays unexplained',
+    );
+  }
   await d.volumes.dropLease(r.id, d.nodeId);
 }
 

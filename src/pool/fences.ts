@@ -29,6 +29,7 @@ import {
   type Lease,
   parseAttachment,
   parseLease,
+  sameDevice,
   type VolumeMeta,
 } from './types.js';
 
@@ -317,7 +318,7 @@ export abstract class VolumeFences {
         mine.accessType !== lease.accessType ||
         mine.mode !== lease.mode ||
         mine.readonly !== lease.readonly ||
-        (lease.device !== undefined && mine.device !== lease.device) ||
+        (lease.device !== undefined && !sameDevice(mine, lease)) ||
         (lease.bootId !== undefined && mine.bootId !== lease.bootId) ||
         (lease.mountFlags !== undefined && mine.mountFlags?.join('\0') !== lease.mountFlags.join('\0'));
       if (rewrite || silent.length > 0) {
@@ -328,10 +329,10 @@ export abstract class VolumeFences {
         let leases = f.leases;
         const copies: NewFile[] = [];
         if (rewrite) {
-          const device = lease.device ?? mine?.device;
+          const { device, deviceSeq } = lease.device !== undefined ? lease : (mine ?? {});
           const record: Lease = {
             ...lease,
-            ...(device ? { device } : {}),
+            ...(device ? { device, ...(deviceSeq ? { deviceSeq } : {}) } : {}),
             since: mine && !moved ? mine.since : lease.since,
           };
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).

@@ -90,6 +90,12 @@ export interface Lease {
   /** The loop device (e.g. "loop3") the node staged it on: a hint, always checked against /sys/block. */
   device?: string;
   /**
+   * That device's disk sequence number when the lease named it (sysfs `diskseq`, where the kernel changes
+   * it at every attach: 6.5 on): a device of that name with another number is another attachment. A
+   * lease taken again before its attach (a restage) keeps the device it named before, and its number.
+   */
+  deviceSeq?: string;
+  /**
    * The boot id of the host that staged it: another node's lease names devices and a staging path on
    * this host only when it was taken under this host's boot id (several plugins sharing one machine).
    * Kubelet's staging path is the same on every node, so without it a lease left by another host would
@@ -214,13 +220,18 @@ export function parseAttachment(v: unknown): Attachment | undefined {
   return { node, readonly, accessType, mode, since };
 }
 
+/** Whether two leases name the same attachment: the device's name, and its disk sequence number. */
+export const sameDevice = (a: Lease, b: Lease): boolean =>
+  a.device === b.device && a.deviceSeq === b.deviceSeq;
+
 export function parseLease(v: unknown): Lease | undefined {
   if (!isRecord(v)) return undefined;
   const { node, stagingPath, accessType, mode, readonly, since, device, bootId, revokedAt, fencedAt } = v;
-  const { mountFlags } = v;
+  const { mountFlags, deviceSeq } = v;
   if (!str(node) || !str(stagingPath) || (accessType !== 'mount' && accessType !== 'block')) return undefined;
   if (!isAccessMode(mode) || typeof readonly !== 'boolean' || !str(since)) return undefined;
   if (device !== undefined && !(str(device) && /^loop\d+$/.test(device))) return undefined;
+  if (deviceSeq !== undefined && !(str(deviceSeq) && /^\d+$/.test(deviceSeq))) return undefined;
   if (bootId !== undefined && !str(bootId)) return undefined;
   if ((revokedAt !== undefined && !str(revokedAt)) || (fencedAt !== undefined && !str(fencedAt)))
     return undefined;
@@ -233,6 +244,7 @@ export function parseLease(v: unknown): Lease | undefined {
     readonly,
     since,
     ...(device === undefined ? {} : { device }),
+    ...(device === undefined || deviceSeq === undefined ? {} : { deviceSeq }),
     ...(bootId === undefined ? {} : { bootId }),
     ...(revokedAt === undefined ? {} : { revokedAt }),
     ...(fencedAt === undefined ? {} : { fencedAt }),

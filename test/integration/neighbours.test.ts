@@ -8,11 +8,14 @@
  */
 import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { mountCap, TestEnv } from '../helpers/env.js';
+import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
+import type { DriverProcess } from '../helpers/driver.js';
+import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { isRoot, MiB, SLOW } from '../helpers/host.js';
-import { createVolume, stage } from '../helpers/volumes.js';
+import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const RUN = Date.now().toString(36);
@@ -37,29 +40,63 @@ async function backingOf(dev: string): Promise<string> {
   return (await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').catch(() => '')).trim();
 }
 
+/** Whether this kernel changes a loop device's diskseq at every attach (6.5 on), as the driver reads it. */
+function kernelChangesDiskseq(): boolean {
+  const [major = 0, minor = 0] = os.release().split('.').map(Number);
+  return major > 6 || (major === 6 && minor >= 5);
+}
+
+/** The loop device (loopN) bound at `target` by a raw block publish (a bind of its device node). */
+async function deviceBoundAt(target: string): Promise<string> {
+  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .find((l) => l.split(' ')[4] === target);
+  return (line?.split(' ')[3] ?? '').replace(/^\//, '');
+}
+
+/**
+ * A controller (node-1), node a whose stages are held right after their attach for `pause` ms, node b,
+ * and a multi-reader volume published read-only to both.
+ */
+async function sharedVolume(tag: string, cap: VolumeCapability) {
+  const base = await env.dir(tag);
+  const d = await env.driver({ dir: base });
+  const pause = 6000 * SLOW;
+  const a = await env.driver({
+    dir: base,
+    socket: path.join(base, 'node-a.sock'),
+    nodeId: 'node-a',
+    mode: 'node',
+    env: { LOOPVOL_PAUSEPOINT: `stage:attached:${pause}` },
+  });
+  const b = await env.nodePlugin(base, 'node-b');
+  const { id } = await createVolume(d, `pvc-${tag}-${RUN}`, cap, 64 * MiB, null);
+  for (const node of ['node-a', 'node-b']) {
+    await d.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id: node,
+      volume_capability: cap,
+      readonly: true,
+    });
+  }
+  return { d, a, b, id, pause };
+}
+
+/** The device a's log says its stage of `id` attached, once it has. */
+async function attachedBy(a: DriverProcess, id: string): Promise<string> {
+  const attached = (l: string): boolean => l.includes('attached loop device') && l.includes(id);
+  expect(await a.waitForLog(attached)).toBe(true);
+  const dev = (JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string }).device ?? '';
+  expect(dev).toMatch(/^\/dev\/loop\d+$/);
+  expect(await backingOf(dev)).toContain(`/${id}/disk.img`);
+  return dev;
+}
+
 describe.skipIf(!isRoot())('two node plugins on one host, while one of them stages a shared volume', () => {
   it("the other neither reuses nor detaches the device that stage has just attached, and the stage mounts the volume's own filesystem", async () => {
-    const base = await env.dir('neighbours');
-    const d = await env.driver({ dir: base });
-    const pause = 6000 * SLOW;
-    const a = await env.driver({
-      dir: base,
-      socket: path.join(base, 'node-a.sock'),
-      nodeId: 'node-a',
-      mode: 'node',
-      env: { LOOPVOL_PAUSEPOINT: `stage:attached:${pause}` },
-    });
-    const b = await env.nodePlugin(base, 'node-b');
     const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
-    const { id } = await createVolume(d, `pvc-shared-${RUN}`, cap, 64 * MiB, null);
-    for (const node of ['node-a', 'node-b']) {
-      await d.clients.controller.ControllerPublishVolume({
-        volume_id: id,
-        node_id: node,
-        volume_capability: cap,
-        readonly: true,
-      });
-    }
+    const { d, a, b, id, pause } = await sharedVolume('neighbours', cap);
+    const base = path.dirname(a.socket);
     // Node b formats it (its first stage), and lets it go.
     const sb = path.join(base, 'b');
     await stage(b, id, sb, cap);
@@ -72,11 +109,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     const started = Date.now();
     const staging = stage(a, id, sa, cap);
     staging.catch(() => undefined); // awaited below; a failure before then is reported there
-    const attached = (l: string): boolean => l.includes('attached loop device') && l.includes(id);
-    expect(await a.waitForLog(attached)).toBe(true);
-    const da = (JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string }).device ?? '';
-    expect(da).toMatch(/^\/dev\/loop\d+$/);
-    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    const da = await attachedBy(a, id);
 
     // Meanwhile node b stages the volume on a device of its own, and unstages it, leaving a's.
     await stage(b, id, sb, cap);
@@ -85,6 +118,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     expect(db).not.toBe(da);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
     expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    expect(await b.waitForLog((l) => l.includes('left devices of the volume') && l.includes(da))).toBe(true);
     // Another volume attached now takes a free number; a's is not free.
     const other = await createVolume(d, `pvc-other-${RUN}`, mountCap('ext4'), 64 * MiB, 'node-b');
     const so = path.join(base, 'other');
@@ -101,5 +135,46 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
     expect(await backingOf(da)).toBe('');
     await b.clients.node.NodeUnstageVolume({ volume_id: other.id, staging_target_path: so });
+  });
+
+  it("a raw block volume: the other's unstage detaches its own device, not the one that stage has just attached", async () => {
+    const cap = blockCap('MULTI_NODE_READER_ONLY');
+    const { d, a, b, id, pause } = await sharedVolume('neighbours-block', cap);
+    const base = path.dirname(a.socket);
+    const sb = path.join(base, 'b');
+    await stage(b, id, sb, cap);
+    const tb = path.join(base, 'pods', 'b', 'dev');
+    await publish(b, id, sb, tb, cap, true);
+    const db = `/dev/${await deviceBoundAt(tb)}`;
+    await b.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tb });
+    expect(await backingOf(db)).toContain(`/${id}/disk.img`); // still staged on b
+
+    const sa = path.join(base, 'a');
+    const started = Date.now();
+    const staging = stage(a, id, sa, cap);
+    staging.catch(() => undefined); // awaited below; a failure before then is reported there
+    const da = await attachedBy(a, id);
+    expect(da).not.toBe(db);
+    await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
+    expect(await backingOf(db)).toBe('');
+    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    expect(Date.now() - started).toBeLessThan(pause);
+
+    await staging;
+    // a's lease names its device, with the disk sequence number it had (on kernels that show one).
+    const fences = JSON.parse(
+      await fs.readFile(path.join(d.poolDir, 'volumes', id, 'fences.json'), 'utf8'),
+    ) as {
+      leases: Record<string, { device?: string; deviceSeq?: string }>;
+    };
+    const seq = (await fs.readFile(`/sys/block/${path.basename(da)}/diskseq`, 'utf8').catch(() => '')).trim();
+    expect(fences.leases['node-a']).toMatchObject({ device: path.basename(da) });
+    if (seq !== '' && kernelChangesDiskseq()) expect(fences.leases['node-a']?.deviceSeq).toBe(seq);
+    const ta = path.join(base, 'pods', 'a', 'dev');
+    await publish(a, id, sa, ta, cap, true);
+    expect(`/dev/${await deviceBoundAt(ta)}`).toBe(da);
+    await a.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: ta });
+    await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
+    expect(await backingOf(da)).toBe('');
   });
 });

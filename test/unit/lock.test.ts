@@ -339,4 +339,35 @@ describe('work under a lock that is lost', () => {
     await volumes.takeLease(id, lease);
     expect(await volumes.lease(id, 'node-a')).toMatchObject({ node: 'node-a', stagingPath: '/staging' });
   });
+
+  it('keeps the device a lease names, with its disk sequence number, until a stage names another', async () => {
+    const { volumes, id } = await volumeOnQuickPool('lease-device');
+    const lease = {
+      node: 'node-a',
+      stagingPath: '/staging',
+      accessType: 'block' as const,
+      mode: 'SINGLE_NODE_WRITER' as const,
+      readonly: false,
+      since: new Date().toISOString(),
+      bootId: 'boot-1',
+    };
+    await volumes.takeLease(id, { ...lease, device: 'loop3', deviceSeq: '41' });
+    expect(await volumes.lease(id, 'node-a')).toMatchObject({ device: 'loop3', deviceSeq: '41' });
+    // Taken again before the next attach (here after a reboot, which rewrites the record): the device
+    // named before stays, number and all, until the attach names its own.
+    await volumes.takeLease(id, { ...lease, bootId: 'boot-2' });
+    expect(await volumes.lease(id, 'node-a')).toMatchObject({
+      bootId: 'boot-2',
+      device: 'loop3',
+      deviceSeq: '41',
+    });
+    // The same name attached anew (another number) is another attachment: the record says so.
+    await volumes.takeLease(id, { ...lease, device: 'loop3', deviceSeq: '57' });
+    expect(await volumes.lease(id, 'node-a')).toMatchObject({ device: 'loop3', deviceSeq: '57' });
+    // Another device where the kernel shows no number: no number is kept for it.
+    await volumes.takeLease(id, { ...lease, device: 'loop4' });
+    const last = await volumes.lease(id, 'node-a');
+    expect(last).toMatchObject({ device: 'loop4' });
+    expect(last?.deviceSeq).toBeUndefined();
+  });
 });

@@ -82,7 +82,7 @@ describe("another node's stage under way on this host", () => {
     expect(await names(untouchable(d, on))).toEqual(['loop2']);
   });
 
-  it("keeps this node's raw block device, which only its lease names", async () => {
+  it("keeps this node's raw block device, which only its lease names (unused until published)", async () => {
     const { d, on } = world(
       [lease('me', { accessType: 'block', device: 'loop4' }), lease('other')],
       [loop(4), loop(5)],
@@ -107,5 +107,33 @@ describe("another node's stage under way on this host", () => {
   it("takes a lease at this node's own staging path for its own, whatever node it names", async () => {
     const { d, on } = world([lease('me'), lease('other', { stagingPath: '/staging/me' })], [loop(1)]);
     expect(await names(untouchable(d, on))).toEqual([]);
+  });
+
+  it("takes a raw block lease that names no device yet for a stage under way, not for this node's device", async () => {
+    const { d, on } = world(
+      [lease('me', { accessType: 'block', device: 'loop1' }), lease('other', { accessType: 'block' })],
+      [loop(1), loop(2)],
+    );
+    expect(await names(othersLoops(d, on))).toEqual([]);
+    expect(await names(untouchable(d, on))).toEqual(['loop2']);
+  });
+
+  it('does not keep a raw block device for this node by a name its lease kept from another boot or attachment', async () => {
+    const seq = (l: LoopDevice, s: string): LoopDevice => ({ ...l, seq: s });
+    const other = lease('other');
+    const block = (more: Partial<Lease>) => lease('me', { accessType: 'block', device: 'loop1', ...more });
+    const judged = async (own: Lease, l: LoopDevice): Promise<string[]> => {
+      const w = world([own, other], [l]);
+      return names(untouchable(w.d, w.on));
+    };
+    expect(await judged(block({ bootId: 'boot-0' }), loop(1))).toEqual(['loop1']);
+    expect(await judged(block({ deviceSeq: '5' }), seq(loop(1), '9'))).toEqual(['loop1']);
+    expect(await judged(block({ deviceSeq: '5' }), seq(loop(1), '5'))).toEqual([]);
+    expect(await judged(block({}), seq(loop(1), '9'))).toEqual([]); // named before numbers were kept
+  });
+
+  it("leaves no unused device to a filesystem staging's lease: its device is the one its mount uses", async () => {
+    const { d, on } = world([lease('me', { device: 'loop1' }), lease('other')], [loop(1)]);
+    expect(await names(untouchable(d, on))).toEqual(['loop1']);
   });
 });
