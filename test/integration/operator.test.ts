@@ -61,6 +61,11 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
   const p: Record<string, string> = {};
   let oldTrashAt = 0;
 
+  /**
+   * The --trash-age of every check: the fresh entry, freshened just before a command starts, must still
+   * be younger when that command reaches the trash, also on a machine loaded by other test files.
+   */
+  const TRASH_AGE = 10;
   /** Keeps the fresh trash entry younger than --trash-age (adding a file changes its ctime). */
   const freshen = async () => {
     if (!p.freshTrash) return;
@@ -78,7 +83,7 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
           : undefined,
     };
   };
-  const checkArgs = () => [`--kubelet-dir=${kubelet}`, '--trash-age=3', '--json'];
+  const checkArgs = () => [`--kubelet-dir=${kubelet}`, `--trash-age=${TRASH_AGE}`, '--json'];
   const findings = async (extra: string[] = []) => {
     const r = await loopvol(['check', ...checkArgs(), ...extra]);
     const body = r.json as { findings: Found[]; exitCode: number };
@@ -242,8 +247,8 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
   });
 
   it('finds exactly what is wrong, and exits 1', async () => {
-    // Trash (made now: every driver start sweeps it): one entry older than --trash-age=3 by the time
-    // of the check, one kept fresh.
+    // Trash (made now: every driver start sweeps it): one entry older than --trash-age by the time of
+    // the check, one kept fresh.
     p.oldTrash = path.join(pool, 'trash', `vol-${'0'.repeat(32)}.0123456789ab`);
     await fs.mkdir(p.oldTrash);
     await fs.writeFile(path.join(p.oldTrash, 'meta.json'), '{}');
@@ -273,7 +278,7 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
       ),
     );
 
-    while (Date.now() - oldTrashAt < 3500) await new Promise((r) => setTimeout(r, 100));
+    while (Date.now() - oldTrashAt < TRASH_AGE * 1000 + 500) await new Promise((r) => setTimeout(r, 100));
     const { code, found } = await findings();
     expect(code).toBe(1);
     const vol = (tag: string, file: string) => path.join(pool, 'volumes', ids[tag] ?? '', file);
@@ -301,7 +306,7 @@ describe.skipIf(!isRoot())('loopvol check and gc', () => {
     expect(found.filter((f) => f.severity === 'notice')).toHaveLength(1);
     expect(found.find((f) => f.subject === dev.q)?.gcSkipped).toMatch(/quarantined/);
     // Tables for people: the same findings, with what to do.
-    const human = await loopvol(['check', `--kubelet-dir=${kubelet}`, '--trash-age=3']);
+    const human = await loopvol(['check', `--kubelet-dir=${kubelet}`, `--trash-age=${TRASH_AGE}`]);
     expect(human.code).toBe(1);
     expect(human.stdout).toContain(`PROBLEM  leaked-loop-device  ${dev.a ?? ''}`);
     expect(human.stdout).toMatch(/NOTICE +fenced-filesystem/);

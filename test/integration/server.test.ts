@@ -11,7 +11,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { type DriverArgs, type DriverProcess, runMain } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB } from '../helpers/host.js';
+import { isRoot, leaksUnder, MiB, SLOW } from '../helpers/host.js';
 import { createVolume, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -307,7 +307,9 @@ describe('the socket', () => {
       const { csiClients } = await import('../helpers/grpc.js');
       const c = csiClients(`127.0.0.1:${port}`);
       let name = '';
-      for (let i = 0; i < 100 && !name; i++) {
+      // As long as a driver may take to start on a loaded machine (startDriverProcess waits as long).
+      const until = Date.now() + 15_000 * SLOW;
+      while (!name && Date.now() < until) {
         name = await c.identity.GetPluginInfo({}, { timeoutMs: 500 }).then(
           (r) => r.name,
           () => '',
