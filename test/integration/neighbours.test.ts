@@ -14,7 +14,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
-import { isRoot, MiB, SLOW } from '../helpers/host.js';
+import { isRoot, MiB, sha256, SLOW, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -39,6 +39,12 @@ async function backingOf(dev: string): Promise<string> {
   const name = path.basename(dev);
   return (await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').catch(() => '')).trim();
 }
+
+/** The checksum of the first 4 MiB of the raw block device bound at `target`. */
+const blockSum = (target: string): string =>
+  execFileSync('sh', ['-c', 'head -c 4194304 "$1" | sha256sum', 'sh', target], { encoding: 'utf8' }).split(
+    ' ',
+  )[0] ?? '';
 
 /** Whether this kernel changes a loop device's diskseq at every attach (6.5 on), as the driver reads it. */
 function kernelChangesDiskseq(): boolean {
@@ -176,5 +182,103 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await a.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: ta });
     await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
     expect(await backingOf(da)).toBe('');
+  });
+});
+
+describe.skipIf(!isRoot())('three node plugins on one host staging shared volumes at once', () => {
+  it('each reads its volumes whole, answers every call (but ABORTED, retried), and leaves nothing attached', async () => {
+    const base = await env.dir('neighbours-many');
+    const d = await env.driver({ dir: base });
+    const nodes = ['node-a', 'node-b', 'node-c'];
+    const plugins = await Promise.all(nodes.map((n) => env.nodePlugin(base, n)));
+    // Three filesystems and a raw block volume, written by node-1, then shared read-only.
+    const vols: { id: string; cap: VolumeCapability; sum: string }[] = [];
+    for (const block of [false, false, false, true]) {
+      const writer = block ? blockCap() : mountCap('ext4');
+      const { id } = await createVolume(d, `pvc-many-${vols.length}-${RUN}`, writer, 64 * MiB);
+      const st = path.join(base, `writer-${id}`);
+      const tg = path.join(base, `writer-pod-${id}`, 'vol');
+      await stage(d, id, st, writer);
+      await publish(d, id, st, tg, writer);
+      let sum: string;
+      if (block) {
+        execFileSync('dd', ['if=/dev/urandom', `of=${tg}`, 'bs=1M', 'count=4', 'conv=fsync'], {
+          stdio: 'ignore',
+        });
+        sum = blockSum(tg);
+      } else {
+        sum = await writeRandom(path.join(tg, 'data.bin'), 4, vols.length);
+      }
+      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st });
+      await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+      const cap = block ? blockCap('MULTI_NODE_READER_ONLY') : mountCap('ext4', 'MULTI_NODE_READER_ONLY');
+      for (const node_id of nodes)
+        await d.clients.controller.ControllerPublishVolume({
+          volume_id: id,
+          node_id,
+          volume_capability: cap,
+          readonly: true,
+        });
+      vols.push({ id, cap, sum });
+    }
+    const failures: string[] = [];
+    /** A call, retried while it answers ABORTED (another call on the volume holds it). */
+    const call = async (what: string, f: () => Promise<unknown>): Promise<void> => {
+      for (let i = 0; ; i++) {
+        try {
+          await f();
+          return;
+        } catch (err) {
+          if ((err as { code?: number }).code === 10 && i < 100) {
+            await new Promise((r) => setTimeout(r, 50));
+            continue;
+          }
+          failures.push(`${what}: ${(err as Error).message}`);
+          throw err;
+        }
+      }
+    };
+    // Each node, 15 times: a volume at random, staged (unless it still is), published, read, unpublished,
+    // and mostly unstaged; every volume unstaged at the end.
+    await Promise.all(
+      plugins.map(async (p, k) => {
+        const node = nodes[k] ?? '';
+        const stagingOf = (id: string): string => path.join(base, `${node}-staging-${id}`);
+        for (let round = 0; round < 15; round++) {
+          const v = vols[Math.floor(Math.random() * vols.length)];
+          if (!v) continue;
+          const block = v.cap.block !== undefined;
+          const tg = path.join(base, `${node}-pod-${round}`, 'vol');
+          const what = (step: string): string => `${node} ${step} ${v.id} (round ${round})`;
+          try {
+            await call(what('stage'), () => stage(p, v.id, stagingOf(v.id), v.cap));
+            await call(what('publish'), () => publish(p, v.id, stagingOf(v.id), tg, v.cap, true));
+            const sum = block ? blockSum(tg) : await sha256(path.join(tg, 'data.bin'));
+            if (sum !== v.sum) failures.push(`${what('read')}: checksum ${sum}, written ${v.sum}`);
+            await call(what('unpublish'), () =>
+              p.clients.node.NodeUnpublishVolume({ volume_id: v.id, target_path: tg }),
+            );
+            if (Math.random() < 0.7)
+              await call(what('unstage'), () =>
+                p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
+              );
+          } catch {
+            // recorded in failures
+          }
+        }
+        for (const v of vols)
+          await call(`${node} last unstage ${v.id}`, () =>
+            p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
+          ).catch(() => undefined);
+      }),
+    );
+    expect(failures).toEqual([]);
+    const left = execFileSync('losetup', ['--list', '--noheadings', '--output', 'NAME,BACK-FILE'], {
+      encoding: 'utf8',
+    })
+      .split('\n')
+      .filter((l) => l.includes(base));
+    expect(left).toEqual([]);
   });
 });
