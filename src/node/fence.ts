@@ -256,6 +256,7 @@ export async function thawLeftovers(d: NodeDeps, x: Exec, guard: FenceGuard): Pr
         loops.filter((l) => l.name === loop.name),
         lease,
         mounts,
+        d.bootId,
       )?.name !== loop.name
     )
       continue;

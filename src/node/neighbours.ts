@@ -7,7 +7,7 @@
  */
 import type { LoopDevice } from '../host/host.js';
 import type { Lease } from '../pool/types.js';
-import { loopOfMount, type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
+import { loopOfMount, namedLoop, type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
 
 /** The other nodes' leases of the volume that may name devices here, and what their stagings show. */
 async function neighbours(
@@ -30,7 +30,9 @@ async function neighbours(
     // A raw block lease that names no device yet is a stage under way: which device it attached is not
     // guessed (any of the volume's would do, this node's own too).
     const shown =
-      l.accessType === 'block' && l.device === undefined ? undefined : stagingLoop(on.loops, l, on.mounts);
+      l.accessType === 'block' && l.device === undefined
+        ? undefined
+        : stagingLoop(on.loops, l, on.mounts, d.bootId);
     if (shown) theirs.add(shown.name);
     else if (l.revokedAt === undefined) underWay.push(l);
   }
@@ -64,13 +66,12 @@ export async function untouchable(d: NodeDeps, on: OnHost): Promise<Set<string>>
 }
 
 /**
- * Whether `l` is the device this node's raw block staging attached: the one its lease names, named in
- * this boot, with the disk sequence number it had then (where the kernel changes it at every attach).
+ * Whether `l` is the device this node's raw block staging attached: the one its lease names, as that
+ * attachment (namedLoop: this boot, and the disk sequence number it had then where the kernel has one).
  * A filesystem staging's device is in use by its mount; an unused one (a failed mount's, say) is left
  * to the next call once that stage has ended, since a name the lease kept may have gone to another node's
  * device since.
  */
 function ownBlockDevice(d: NodeDeps, own: Lease | undefined, l: LoopDevice): boolean {
-  if (own?.accessType !== 'block' || own.device !== l.name || own.bootId !== d.bootId) return false;
-  return own.deviceSeq === undefined || l.seq === undefined || own.deviceSeq === l.seq;
+  return own?.accessType === 'block' && namedLoop([l], own, d.bootId) !== undefined;
 }

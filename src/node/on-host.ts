@@ -202,11 +202,15 @@ export const isLoopMount = (m: MountEntry): boolean => /^\/dev\/loop\d+$/.test(m
 export const mountsOf = (table: readonly MountEntry[], loops: readonly LoopDevice[]): MountEntry[] =>
   table.filter((m) => loopOfMount(m, loops) !== undefined);
 
-/** The loop device staged for a volume: the one its staging mount shows, or (block) the one matching the lease. */
+/**
+ * The loop device staged for a volume: the one its staging mount shows, or (block) the one the lease
+ * names (namedLoop); `bootId` is this host's.
+ */
 export function stagingLoop(
   loops: readonly LoopDevice[],
   lease: Lease | undefined,
   mounts: readonly MountEntry[],
+  bootId: string,
 ): LoopDevice | undefined {
   if (!lease) return undefined;
   if (lease.accessType === 'mount') {
@@ -214,12 +218,28 @@ export function stagingLoop(
     if (top) return loops.find((l) => l.path === top.source);
     // Unmounted but still attached (a fenced filesystem whose frozen superblock holds its device).
     // The name is only a hint (a device is reused once free): a mounted device is someone's staging.
-    if (lease.revokedAt === undefined || lease.device === undefined) return undefined;
-    const named = loops.find((l) => l.name === lease.device);
+    if (lease.revokedAt === undefined) return undefined;
+    const named = namedLoop(loops, lease, bootId);
     return named && !mounts.some((m) => m.source === named.path) ? named : undefined;
   }
-  if (lease.device !== undefined) return loops.find((l) => l.name === lease.device);
+  if (lease.device !== undefined) return namedLoop(loops, lease, bootId);
   return loops.find((l) => l.readOnly === lease.readonly);
+}
+
+/**
+ * The device a lease names, while it is still that attachment: named in this boot (`bootId`; a lease of
+ * an older release says none) and, where the kernel numbers every attach (diskseq), with that number.
+ * A name alone is reused as soon as the device is free, by any image.
+ */
+export function namedLoop(
+  loops: readonly LoopDevice[],
+  lease: Lease,
+  bootId: string,
+): LoopDevice | undefined {
+  if (lease.device === undefined || (lease.bootId !== undefined && lease.bootId !== bootId)) return undefined;
+  const sameSeq = (l: LoopDevice): boolean =>
+    lease.deviceSeq === undefined || l.seq === undefined || l.seq === lease.deviceSeq;
+  return loops.find((l) => l.name === lease.device && sameSeq(l));
 }
 
 /**

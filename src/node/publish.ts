@@ -96,7 +96,7 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
   const { on, doubtful } = await leaseView(d, await lookAtHost(d, x, r.id));
   refuseDoubtful(r.id, doubtful, 'published');
   const lease = await d.volumes.lease(r.id, d.nodeId);
-  const staged = stagingLoop(on.loops, lease, on.mounts);
+  const staged = stagingLoop(on.loops, lease, on.mounts, d.bootId);
   if (!lease || lease.stagingPath !== staging || !staged) {
     throw conflict(`Volume ${r.id} is not staged at ${staging} on this node; call NodeStageVolume first.`);
   }
@@ -290,7 +290,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   await d.host.removeCreated(target);
   if (ours.some(isDeviceBind)) {
     // A read-only loop device attached only for this block publish goes with it.
-    const staged = stagingLoop(on.loops, lease, table);
+    const staged = stagingLoop(on.loops, lease, table, d.bootId);
     const others = await untouchable(d, on);
     if (staged)
       await detachUnused(

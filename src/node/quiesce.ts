@@ -257,7 +257,7 @@ export class QuiesceAgent {
       // The device the lease records at its staging path is frozen even when the image's identity no
       // longer shows it (the pool was mounted again here); one that may be the volume fails the copy.
       const { on, doubtful } = await leaseView(this.d, await lookAtHost(this.d, this.x, r.volumeId));
-      const loop = lease ? stagingLoop(on.loops, lease, on.mounts) : undefined;
+      const loop = lease ? stagingLoop(on.loops, lease, on.mounts, this.d.bootId) : undefined;
       // Judged by what is mounted here, not by the lease alone: a writable mount of the volume on this
       // host is frozen whatever the records say.
       // Only this node's devices (another node plugin on a shared host has its own).

@@ -74,7 +74,7 @@ export async function alreadyStaged(
       return true;
     }
   }
-  const live = ownLease ? stagingLoop(on.loops, ownLease, on.mounts) : undefined;
+  const live = ownLease ? stagingLoop(on.loops, ownLease, on.mounts, d.bootId) : undefined;
   if (!ownLease || !live) return false;
   if (ownLease.stagingPath !== staging) {
     throw conflict(

@@ -49,7 +49,7 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   const atStaging = on.mounts.filter((m) => m.mountPoint === staging);
   if (!known && atStaging.length === 0 && on.loops.length === 0 && !lease)
     throw missing(`Volume ${r.id} does not exist.`);
-  if (lease && lease.stagingPath !== staging && stagingLoop(on.loops, lease, on.mounts)) {
+  if (lease && lease.stagingPath !== staging && stagingLoop(on.loops, lease, on.mounts, d.bootId)) {
     // Staged, and live, at the path its lease names: not staged at this one, which the spec answers
     // OK. What is here (a pod's bind of it, say) and the staging are left alone.
     x.log.info({ staging, stagedAt: lease.stagingPath }, 'not staged at this path; nothing to undo');

@@ -26,6 +26,7 @@ import type { Pool } from './pool.js';
 import {
   type Attachment,
   isMultiNode,
+  keptDevice,
   type Lease,
   parseAttachment,
   parseLease,
@@ -329,10 +330,9 @@ export abstract class VolumeFences {
         let leases = f.leases;
         const copies: NewFile[] = [];
         if (rewrite) {
-          const { device, deviceSeq } = lease.device !== undefined ? lease : (mine ?? {});
           const record: Lease = {
             ...lease,
-            ...(device ? { device, ...(deviceSeq ? { deviceSeq } : {}) } : {}),
+            ...keptDevice(lease, mine),
             since: mine && !moved ? mine.since : lease.since,
           };
           // The per-node copy first (what an older release reads), then the fence file (what this one trusts).

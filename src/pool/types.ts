@@ -220,6 +220,17 @@ export function parseAttachment(v: unknown): Attachment | undefined {
   return { node, readonly, accessType, mode, since };
 }
 
+/**
+ * The device a lease taken before its attach (`lease`, naming none) keeps from the node's lease before it
+ * (`mine`): what that named, unless it was named in another boot, where the name means nothing now.
+ */
+export function keptDevice(lease: Lease, mine: Lease | undefined): Pick<Lease, 'device' | 'deviceSeq'> {
+  const from = lease.device !== undefined ? lease : mine;
+  if (!from?.device || (from !== lease && lease.bootId !== undefined && from.bootId !== lease.bootId))
+    return {};
+  return { device: from.device, ...(from.deviceSeq ? { deviceSeq: from.deviceSeq } : {}) };
+}
+
 /** Whether two leases name the same attachment: the device's name, and its disk sequence number. */
 export const sameDevice = (a: Lease, b: Lease): boolean =>
   a.device === b.device && a.deviceSeq === b.deviceSeq;

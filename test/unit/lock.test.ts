@@ -353,11 +353,11 @@ describe('work under a lock that is lost', () => {
     };
     await volumes.takeLease(id, { ...lease, device: 'loop3', deviceSeq: '41' });
     expect(await volumes.lease(id, 'node-a')).toMatchObject({ device: 'loop3', deviceSeq: '41' });
-    // Taken again before the next attach (here after a reboot, which rewrites the record): the device
+    // Taken again before the next attach (a restage read-only, which rewrites the record): the device
     // named before stays, number and all, until the attach names its own.
-    await volumes.takeLease(id, { ...lease, bootId: 'boot-2' });
+    await volumes.takeLease(id, { ...lease, readonly: true });
     expect(await volumes.lease(id, 'node-a')).toMatchObject({
-      bootId: 'boot-2',
+      readonly: true,
       device: 'loop3',
       deviceSeq: '41',
     });
@@ -369,5 +369,12 @@ describe('work under a lock that is lost', () => {
     const last = await volumes.lease(id, 'node-a');
     expect(last).toMatchObject({ device: 'loop4' });
     expect(last?.deviceSeq).toBeUndefined();
+    // After a reboot a name from the boot before means nothing: a lease taken before the attach keeps none.
+    await volumes.takeLease(id, { ...lease, device: 'loop4', deviceSeq: '9' });
+    await volumes.takeLease(id, { ...lease, bootId: 'boot-2' });
+    const rebooted = await volumes.lease(id, 'node-a');
+    expect(rebooted).toMatchObject({ bootId: 'boot-2' });
+    expect(rebooted?.device).toBeUndefined();
+    expect(rebooted?.deviceSeq).toBeUndefined();
   });
 });

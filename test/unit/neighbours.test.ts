@@ -7,7 +7,7 @@ import { describe, expect, it } from 'vitest';
 import type { LoopDevice } from '../../src/host/host.js';
 import type { MountEntry } from '../../src/host/mounts.js';
 import { othersLoops, untouchable } from '../../src/node/neighbours.js';
-import type { NodeDeps, OnHost } from '../../src/node/on-host.js';
+import { namedLoop, type NodeDeps, type OnHost } from '../../src/node/on-host.js';
 import type { Lease } from '../../src/pool/types.js';
 
 const BOOT = 'boot-1';
@@ -135,5 +135,36 @@ describe("another node's stage under way on this host", () => {
   it("leaves no unused device to a filesystem staging's lease: its device is the one its mount uses", async () => {
     const { d, on } = world([lease('me', { device: 'loop1' }), lease('other')], [loop(1)]);
     expect(await names(untouchable(d, on))).toEqual(['loop1']);
+  });
+
+  it("takes another node's lease whose device name is another attachment now for a stage under way", async () => {
+    const seq = (l: LoopDevice, s: string): LoopDevice => ({ ...l, seq: s });
+    // Its device was loop1 at number 3; loop1 is number 7 now (this node's own), and loop2 is unused.
+    const { d, on } = world(
+      [
+        lease('me', { accessType: 'block', device: 'loop1', deviceSeq: '7' }),
+        lease('other', { accessType: 'block', device: 'loop1', deviceSeq: '3' }),
+      ],
+      [seq(loop(1), '7'), seq(loop(2), '8')],
+    );
+    expect(await names(othersLoops(d, on))).toEqual([]);
+    expect(await names(untouchable(d, on))).toEqual(['loop2']);
+  });
+});
+
+describe('the device a lease names (namedLoop)', () => {
+  const seq = (l: LoopDevice, s: string | undefined): LoopDevice => ({ ...l, ...(s ? { seq: s } : {}) });
+  const named = (more: Partial<Lease>, l: LoopDevice): string | undefined =>
+    namedLoop([l], lease('me', { accessType: 'block', device: 'loop1', ...more }), BOOT)?.name;
+  it('is that attachment only in this boot and, where both show one, at the same disk sequence number', () => {
+    expect(named({}, loop(1))).toBe('loop1');
+    expect(named({ deviceSeq: '4' }, seq(loop(1), '4'))).toBe('loop1');
+    expect(named({ deviceSeq: '4' }, seq(loop(1), '5'))).toBeUndefined();
+    expect(named({ deviceSeq: '4' }, seq(loop(1), undefined))).toBe('loop1'); // a kernel that shows none
+    expect(named({ bootId: 'boot-0' }, loop(1))).toBeUndefined();
+    const older: Lease = { ...lease('me', { accessType: 'block', device: 'loop1' }) };
+    delete older.bootId; // an older release's lease
+    expect(namedLoop([loop(1)], older, BOOT)?.name).toBe('loop1');
+    expect(named({}, loop(2))).toBeUndefined();
   });
 });
