@@ -57,12 +57,27 @@ export async function probeFrozen(x: Exec, mountPoint: string): Promise<FreezeSt
     if (err instanceof CommandError && err.reason === 'exit' && /busy/i.test(err.stderr)) return 'frozen';
     // Timed out or killed (also by the caller's deadline), fsfreeze may have frozen it before it ended:
     // thawed, as the node's own freezes are (a thaw of a filesystem that is not frozen changes nothing).
-    await detached(x, 60_000)
-      .run('fsfreeze', ['--unfreeze', mountPoint], { timeoutMs: 60_000, quiet: true })
-      .catch(() => undefined);
+    await thaw(x, mountPoint, true).catch(() => undefined);
     return 'unknown';
   }
   // It was not frozen, and now is: thaw it, whatever the caller's deadline.
-  await detached(x, 60_000).run('fsfreeze', ['--unfreeze', mountPoint], { timeoutMs: 60_000 });
+  await thaw(x, mountPoint, false);
   return 'not-frozen';
+}
+
+/**
+ * Thaws the filesystem at `mountPoint`, free of the caller's deadline. A thaw killed by a signal is run
+ * again: the operator's Ctrl-C reaches every process of the command's group, fsfreeze too, and the
+ * command itself stays to let this thaw finish (src/cli/check.ts).
+ */
+async function thaw(x: Exec, mountPoint: string, quiet: boolean): Promise<void> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      await detached(x, 60_000).run('fsfreeze', ['--unfreeze', mountPoint], { timeoutMs: 60_000, quiet });
+      return;
+    } catch (err) {
+      const signalled = err instanceof CommandError && err.reason === 'spawn' && /^SIG/.test(err.why ?? '');
+      if (!signalled || attempt >= 5) throw err;
+    }
+  }
 }

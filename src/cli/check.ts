@@ -55,7 +55,7 @@ export const CHECK_USAGE =
   '  Reads only (except --probe-frozen). Safe while the driver runs.\n' +
   CHECK_FLAGS_HELP +
   'Exit status: 0 nothing but notices, 1 problems found, 2 bad flags, 3 the pool could not be read,\n' +
-  '  130 interrupted while probing (each filesystem it froze was thawed first).\n';
+  '  130 interrupted while probing (each filesystem it froze was thawed first; a third signal exits at once).\n';
 
 export const GC_USAGE =
   'loopvol gc [--yes] [--pool-dir DIR] [--kubelet-dir DIR] [--only pool|host] [--json] [...]\n' +
@@ -67,7 +67,8 @@ export const GC_USAGE =
   '  --yes                 do it\n' +
   CHECK_FLAGS_HELP +
   'Exit status: 0 done (or, without --yes, planned), 1 something could not be removed, 2 bad flags,\n' +
-  '  3 the pool could not be read.\n';
+  '  3 the pool could not be read, 130 interrupted with --probe-frozen (a probe under way thaws first;\n' +
+  '  removals already planned are finished, each looked at again first; a third signal exits at once).\n';
 
 type Values = ReturnType<typeof parse<typeof CHECK_OPTIONS>>['values'];
 
@@ -204,6 +205,8 @@ async function collect(
     const removed = outcomes.filter((o) => o.result === 'removed').length;
     process.stdout.write(`${removed} removed, ${failed.length} could not be removed\n`);
   }
+  // Interrupted while removing: what was planned was done (each step looked again first), not more.
+  if (stopped()) return EXIT.interrupted;
   return failed.length > 0 ? EXIT.problems : EXIT.ok;
 }
 
@@ -219,19 +222,30 @@ function interruptible(
   if (!opts.probeFrozen) return { opts, stopped: () => false, done: () => undefined };
   const stop = new AbortController();
   const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
-  const handler = (): void => {
-    if (!stop.signal.aborted)
+  let received = 0;
+  let said = false;
+  const handler = (signal: NodeJS.Signals): void => {
+    received++;
+    if (received === 1)
       process.stderr.write(
-        `loopvol ${name}: interrupted; ending the freeze probe under way (it thaws what it froze)\n`,
+        `loopvol ${name}: ${signal}: ending the freeze probe under way (it thaws what it froze); a third signal exits at once\n`,
       );
+    if (received >= 3) {
+      process.stderr.write(
+        `loopvol ${name}: exiting at once: a filesystem it was probing may be left frozen (loopvol check --probe-frozen finds it)\n`,
+      );
+      process.exit(EXIT.interrupted);
+    }
     stop.abort();
   };
   for (const s of signals) process.on(s, handler);
   return {
     opts: { ...opts, stopProbing: stop.signal },
     stopped: () => {
-      if (stop.signal.aborted)
+      if (stop.signal.aborted && !said) {
+        said = true;
         process.stderr.write(`loopvol ${name}: interrupted; every filesystem it froze to probe was thawed\n`);
+      }
       return stop.signal.aborted;
     },
     done: () => {
