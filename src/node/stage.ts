@@ -263,11 +263,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
 
     // The lease names the device (a hint, checked against /sys/block): for a raw block volume it is
     // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
-    const naming = d.volumes.takeLease(r.id, {
-      ...lease,
-      device: loop.name,
-      ...(loop.seq !== undefined ? { deviceSeq: loop.seq } : {}),
-    });
+    const naming = nameDevice(d, r.id, lease, loop);
     if (r.cap.accessType === 'block') {
       await naming;
       if (!recorded)
@@ -282,6 +278,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     // the record always could (a device the lease does not name, untouched).
     const [, found] = await sideBySide(naming, filesystemOn(d, x, vol, r.cap, loop, reused, attach, naming));
     const { live, fsType } = found;
+    // A blank volume staged read-only was formatted through a writable device and attached again.
+    if (found.loop.name !== loop.name || found.loop.seq !== loop.seq)
+      await nameDevice(d, r.id, lease, found.loop);
     loop = found.loop;
     const growAfterMount =
       found.formatted === false && !readOnly && (await checkAndGrowOffline(d, x, r.id, fsType, loop));
@@ -319,6 +318,14 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     throw err;
   }
 }
+
+/** Names `loop` in this node's lease of volume `id`: the attachment, by name and disk sequence number. */
+const nameDevice = (d: NodeDeps, id: string, lease: Lease, loop: LoopDevice) =>
+  d.volumes.takeLease(id, {
+    ...lease,
+    device: loop.name,
+    ...(loop.seq !== undefined ? { deviceSeq: loop.seq } : {}),
+  });
 
 /** A loop device as attached: its name and the backing file's path as sysfs shows it. */
 const attachmentKey = (l: LoopDevice): string => `${l.name}\0${l.backingFile}`;

@@ -46,6 +46,18 @@ const blockSum = (target: string): string =>
     ' ',
   )[0] ?? '';
 
+/** Node `node`'s lease of volume `id`, as the pool's fence file records it. */
+async function leaseOf(
+  pool: string,
+  id: string,
+  node: string,
+): Promise<{ device?: string; deviceSeq?: string }> {
+  const fences = JSON.parse(await fs.readFile(path.join(pool, 'volumes', id, 'fences.json'), 'utf8')) as {
+    leases: Record<string, { device?: string; deviceSeq?: string }>;
+  };
+  return fences.leases[node] ?? {};
+}
+
 /** Whether this kernel changes a loop device's diskseq at every attach (6.5 on), as the driver reads it. */
 function kernelChangesDiskseq(): boolean {
   const [major = 0, minor = 0] = os.release().split('.').map(Number);
@@ -108,6 +120,13 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await stage(b, id, sb, cap);
     const uuid = uuidOf(await sourceOf(sb));
     expect(uuid).not.toBe('');
+    // Formatted through a writable device, then attached again read-only: the lease names the latter,
+    // as that attachment (its number, where the kernel gives one at every attach).
+    const formattedOn = path.basename(await sourceOf(sb));
+    const leaseB = await leaseOf(d.poolDir, id, 'node-b');
+    expect(leaseB.device).toBe(formattedOn);
+    if (kernelChangesDiskseq())
+      expect(leaseB.deviceSeq).toBe((await fs.readFile(`/sys/block/${formattedOn}/diskseq`, 'utf8')).trim());
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
 
     // Node a's stage attaches its device and is held there.
@@ -168,14 +187,10 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
 
     await staging;
     // a's lease names its device, with the disk sequence number it had (on kernels that show one).
-    const fences = JSON.parse(
-      await fs.readFile(path.join(d.poolDir, 'volumes', id, 'fences.json'), 'utf8'),
-    ) as {
-      leases: Record<string, { device?: string; deviceSeq?: string }>;
-    };
     const seq = (await fs.readFile(`/sys/block/${path.basename(da)}/diskseq`, 'utf8').catch(() => '')).trim();
-    expect(fences.leases['node-a']).toMatchObject({ device: path.basename(da) });
-    if (seq !== '' && kernelChangesDiskseq()) expect(fences.leases['node-a']?.deviceSeq).toBe(seq);
+    const leaseA = await leaseOf(d.poolDir, id, 'node-a');
+    expect(leaseA).toMatchObject({ device: path.basename(da) });
+    if (seq !== '' && kernelChangesDiskseq()) expect(leaseA.deviceSeq).toBe(seq);
     const ta = path.join(base, 'pods', 'a', 'dev');
     await publish(a, id, sa, ta, cap, true);
     expect(`/dev/${await deviceBoundAt(ta)}`).toBe(da);
