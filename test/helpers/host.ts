@@ -329,3 +329,12 @@ export function ownMountNamespace(keep: string, propagation: 'private' | 'unchan
     keep,
   ];
 }
+
+/** The source of the top mount at `mp` in this process's mount table ('' when nothing is mounted there). */
+export async function mountSource(mp: string): Promise<string> {
+  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
+    .split('\n')
+    .filter((l) => l.split(' ')[4] === mp)
+    .at(-1);
+  return line?.split(' - ')[1]?.split(' ')[1] ?? '';
+}

@@ -35,6 +35,23 @@ export async function createVolume(
   return { id, image: path.join(c.poolDir, 'volumes', id, 'disk.img'), volume: res.volume };
 }
 
+/** ControllerPublishVolume of `id` to each of `nodes` (read-only when `readonly`). */
+export async function publishTo(
+  c: DriverProcess,
+  id: string,
+  nodes: readonly string[],
+  cap: VolumeCapability,
+  readonly = false,
+): Promise<void> {
+  for (const node_id of nodes)
+    await c.clients.controller.ControllerPublishVolume({
+      volume_id: id,
+      node_id,
+      volume_capability: cap,
+      readonly,
+    });
+}
+
 /** NodeStageVolume at `staging` (made first, as the kubelet does). */
 export async function stage(n: DriverProcess, id: string, staging: string, cap: VolumeCapability) {
   await fs.mkdir(staging, { recursive: true });

@@ -13,7 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
-import { frozen, isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
+import { frozen, isRoot, MiB, mountSource, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
 const fencedDevices: string[] = [];
@@ -21,14 +21,6 @@ afterAll(async () => {
   await thawFenced(fencedDevices);
   expect(await env.teardown()).toEqual([]);
 });
-
-/** The loop device mounted at `mp`. */
-async function sourceOf(mp: string): Promise<string> {
-  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .find((l) => l.split(' ')[4] === mp);
-  return line?.split(' - ')[1]?.split(' ')[1] ?? '';
-}
 
 const cap = mountCap('ext4');
 const RUN = Date.now().toString(36);
@@ -87,7 +79,7 @@ describe.skipIf(!isRoot())('a volume detached from a node that still has it moun
     const { ctl, a, b, id, paths, up, publishTo, fenceRecord } = await setup('alive');
     await publishTo('node-a');
     await up(a, 'a');
-    fencedDevices.push(await sourceOf(paths('a').staging));
+    fencedDevices.push(await mountSource(paths('a').staging));
     env.declareOwn(paths('a').staging, fencedDevices.at(-1) ?? ''); // fenced for good: what a reboot ends
     const sum = await writeRandom(path.join(paths('a').target, 'data.bin'), 4, 21);
     // The CO force-detaches node-a (it stopped answering the API server, say) and moves the pod.
@@ -132,7 +124,7 @@ describe.skipIf(!isRoot())('a volume detached from a node that still has it moun
     const { ctl, b, id, paths, up, publishTo, fenceRecord, nodeArgs, a } = await setup('dead');
     await publishTo('node-a');
     await up(a, 'a');
-    fencedDevices.push(await sourceOf(paths('a').staging));
+    fencedDevices.push(await mountSource(paths('a').staging));
     env.declareOwn(paths('a').staging, fencedDevices.at(-1) ?? ''); // fenced for good: what a reboot ends
     const sum = await writeRandom(path.join(paths('a').target, 'data.bin'), 2, 22);
     // node-a's plugin dies with the volume mounted (the old pod could still be writing through it).

@@ -14,22 +14,14 @@ import { afterAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
-import { isRoot, MiB, sha256, SLOW, writeRandom } from '../helpers/host.js';
-import { createVolume, publish, stage } from '../helpers/volumes.js';
+import { isRoot, MiB, mountSource, sha256, SLOW, writeRandom } from '../helpers/host.js';
+import { createVolume, publish, publishTo, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 const RUN = Date.now().toString(36);
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
-
-/** The source of the mount at `mp` in this process's mount table ('' when nothing is mounted there). */
-async function sourceOf(mp: string): Promise<string> {
-  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .find((l) => l.split(' ')[4] === mp);
-  return line?.split(' - ')[1]?.split(' ')[1] ?? '';
-}
 
 const uuidOf = (dev: string): string =>
   execFileSync('blkid', ['-p', '-s', 'UUID', '-o', 'value', dev], { encoding: 'utf8' }).trim();
@@ -89,14 +81,7 @@ async function sharedVolume(tag: string, cap: VolumeCapability) {
   });
   const b = await env.nodePlugin(base, 'node-b');
   const { id } = await createVolume(d, `pvc-${tag}-${RUN}`, cap, 64 * MiB, null);
-  for (const node of ['node-a', 'node-b']) {
-    await d.clients.controller.ControllerPublishVolume({
-      volume_id: id,
-      node_id: node,
-      volume_capability: cap,
-      readonly: true,
-    });
-  }
+  await publishTo(d, id, ['node-a', 'node-b'], cap, true);
   return { d, a, b, id, pause };
 }
 
@@ -118,11 +103,11 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     // Node b formats it (its first stage), and lets it go.
     const sb = path.join(base, 'b');
     await stage(b, id, sb, cap);
-    const uuid = uuidOf(await sourceOf(sb));
+    const uuid = uuidOf(await mountSource(sb));
     expect(uuid).not.toBe('');
     // Formatted through a writable device, then attached again read-only: the lease names the latter,
     // as that attachment (its number, where the kernel gives one at every attach).
-    const formattedOn = path.basename(await sourceOf(sb));
+    const formattedOn = path.basename(await mountSource(sb));
     const leaseB = await leaseOf(d.poolDir, id, 'node-b');
     expect(leaseB.device).toBe(formattedOn);
     if (kernelChangesDiskseq())
@@ -138,7 +123,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
 
     // Meanwhile node b stages the volume on a device of its own, and unstages it, leaving a's.
     await stage(b, id, sb, cap);
-    const db = await sourceOf(sb);
+    const db = await mountSource(sb);
     expect(db).toMatch(/^\/dev\/loop\d+$/);
     expect(db).not.toBe(da);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
@@ -148,12 +133,12 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     const other = await createVolume(d, `pvc-other-${RUN}`, mountCap('ext4'), 64 * MiB, 'node-b');
     const so = path.join(base, 'other');
     await stage(b, other.id, so, mountCap('ext4'));
-    expect(await sourceOf(so)).not.toBe(da);
+    expect(await mountSource(so)).not.toBe(da);
     // All of this happened while a's stage was held (else the test proved nothing).
     expect(Date.now() - started).toBeLessThan(pause);
 
     await staging;
-    expect(await sourceOf(sa)).toBe(da);
+    expect(await mountSource(sa)).toBe(da);
     expect(uuidOf(da)).toBe(uuid);
     expect(await backingOf(da)).toContain(`/${id}/disk.img`);
 
@@ -228,13 +213,7 @@ describe.skipIf(!isRoot())('three node plugins on one host staging shared volume
       await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st });
       await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
       const cap = block ? blockCap('MULTI_NODE_READER_ONLY') : mountCap('ext4', 'MULTI_NODE_READER_ONLY');
-      for (const node_id of nodes)
-        await d.clients.controller.ControllerPublishVolume({
-          volume_id: id,
-          node_id,
-          volume_capability: cap,
-          readonly: true,
-        });
+      await publishTo(d, id, nodes, cap, true);
       vols.push({ id, cap, sum });
     }
     const failures: string[] = [];

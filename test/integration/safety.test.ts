@@ -12,8 +12,17 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, leaksUnder, MiB, ownMountNamespace, sha256, SLOW, writeRandom } from '../helpers/host.js';
-import { createVolume, publish, stage } from '../helpers/volumes.js';
+import {
+  isRoot,
+  leaksUnder,
+  MiB,
+  mountSource,
+  ownMountNamespace,
+  sha256,
+  SLOW,
+  writeRandom,
+} from '../helpers/host.js';
+import { createVolume, publish, publishTo, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 /** Names unique to this run: a device another run left behind never matches one of ours. */
@@ -573,24 +582,11 @@ describe.skipIf(!isRoot())('two nodes staging a fresh multi-reader volume at the
     const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
     for (let round = 0; round < 6; round++) {
       const { id } = await createVolume(d, `pvc-race-${round}-${RUN}`, cap, 64 * MiB, null);
-      for (const node of ['node-a', 'node-b']) {
-        await d.clients.controller.ControllerPublishVolume({
-          volume_id: id,
-          node_id: node,
-          volume_capability: cap,
-          readonly: true,
-        });
-      }
+      await publishTo(d, id, ['node-a', 'node-b'], cap, true);
       const sa = path.join(base, `a-${round}`);
       const sb = path.join(base, `b-${round}`);
       await Promise.all([stage(a, id, sa, cap), stage(b, id, sb, cap)]);
-      const sourceOf = async (mp: string) =>
-        (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-          .split('\n')
-          .find((l) => l.split(' ')[4] === mp)
-          ?.split(' - ')[1]
-          ?.split(' ')[1] ?? '';
-      const [da, db] = [await sourceOf(sa), await sourceOf(sb)];
+      const [da, db] = [await mountSource(sa), await mountSource(sb)];
       expect(da).toMatch(/^\/dev\/loop\d+$/);
       expect(db).toMatch(/^\/dev\/loop\d+$/);
       const uuidOf = (dev: string) => sh('blkid', ['-p', '-s', 'UUID', '-o', 'value', dev]).trim();
