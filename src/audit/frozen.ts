@@ -76,6 +76,8 @@ async function thaw(x: Exec, mountPoint: string, quiet: boolean): Promise<void> 
       await detached(x, 60_000).run('fsfreeze', ['--unfreeze', mountPoint], { timeoutMs: 60_000, quiet });
       return;
     } catch (err) {
+      // A thaw killed during its ioctl may have thawed all the same: the next one then finds nothing frozen.
+      if (attempt > 1 && err instanceof CommandError && /Invalid argument/i.test(err.stderr)) return;
       const signalled = err instanceof CommandError && err.reason === 'spawn' && /^SIG/.test(err.why ?? '');
       if (!signalled || attempt >= 5) throw err;
     }

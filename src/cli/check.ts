@@ -55,7 +55,8 @@ export const CHECK_USAGE =
   '  Reads only (except --probe-frozen). Safe while the driver runs.\n' +
   CHECK_FLAGS_HELP +
   'Exit status: 0 nothing but notices, 1 problems found, 2 bad flags, 3 the pool could not be read,\n' +
-  '  130 interrupted while probing (each filesystem it froze was thawed first; a third signal exits at once).\n';
+  '  130 interrupted while probing (each filesystem it froze was thawed first), 4 stopped at once by a third\n' +
+  '  signal (a filesystem it was probing may be left frozen).\n';
 
 export const GC_USAGE =
   'loopvol gc [--yes] [--pool-dir DIR] [--kubelet-dir DIR] [--only pool|host] [--json] [...]\n' +
@@ -68,7 +69,8 @@ export const GC_USAGE =
   CHECK_FLAGS_HELP +
   'Exit status: 0 done (or, without --yes, planned), 1 something could not be removed, 2 bad flags,\n' +
   '  3 the pool could not be read, 130 interrupted with --probe-frozen (a probe under way thaws first;\n' +
-  '  removals already planned are finished, each looked at again first; a third signal exits at once).\n';
+  '  the planned removals are still tried, each looked at again first, though the interrupt may cut one\n' +
+  '  short), 4 stopped at once by a third signal (a filesystem it was probing may be left frozen).\n';
 
 type Values = ReturnType<typeof parse<typeof CHECK_OPTIONS>>['values'];
 
@@ -234,7 +236,7 @@ function interruptible(
       process.stderr.write(
         `loopvol ${name}: exiting at once: a filesystem it was probing may be left frozen (loopvol check --probe-frozen finds it)\n`,
       );
-      process.exit(EXIT.interrupted);
+      process.exit(EXIT.leftFrozen);
     }
     stop.abort();
   };

@@ -19,6 +19,8 @@ export const EXIT = {
   cannotLook: 3,
   /** check --probe-frozen: stopped by a signal once the probe under way had thawed what it froze. */
   interrupted: 130,
+  /** check --probe-frozen: stopped at once by a third signal; a filesystem it was probing may be frozen. */
+  leftFrozen: 4,
 } as const;
 
 export const EXIT_HELP =

@@ -222,12 +222,13 @@ export function parseAttachment(v: unknown): Attachment | undefined {
 
 /**
  * The device a lease taken before its attach (`lease`, naming none) keeps from the node's lease before it
- * (`mine`): what that named, unless it was named in another boot, where the name means nothing now.
+ * (`mine`): what that named, unless it was named in another boot, where the name means nothing now (a
+ * lease of an older release says no boot: its name is kept, as namedLoop reads it).
  */
 export function keptDevice(lease: Lease, mine: Lease | undefined): Pick<Lease, 'device' | 'deviceSeq'> {
   const from = lease.device !== undefined ? lease : mine;
-  if (!from?.device || (from !== lease && lease.bootId !== undefined && from.bootId !== lease.bootId))
-    return {};
+  const otherBoot = from !== lease && from?.bootId !== undefined && from.bootId !== lease.bootId;
+  if (!from?.device || otherBoot) return {};
   return { device: from.device, ...(from.deviceSeq ? { deviceSeq: from.deviceSeq } : {}) };
 }
 

@@ -56,4 +56,40 @@ describe('probing whether a filesystem is frozen', () => {
     expect(await probeFrozen(bindExec(h.runner, { log }), '/m')).toBe('frozen');
     expect(h.ran).toEqual(['fsfreeze --freeze /m']);
   });
+
+  it('runs a thaw a signal killed again, and takes "nothing frozen" then for done (the killed one thawed)', async () => {
+    const ran: string[] = [];
+    const answers = [
+      new CommandError('fsfreeze', [], undefined, '', 'spawn', 'fsfreeze was killed by SIGINT', 'SIGINT'),
+      new CommandError(
+        'fsfreeze',
+        [],
+        1,
+        'fsfreeze: /m: unfreeze failed: Invalid argument',
+        'exit',
+        'exit 1',
+      ),
+    ];
+    const runner: Runner = {
+      run: (_scope, command, args) => {
+        ran.push([command, ...args].join(' '));
+        const next = args.includes('--unfreeze') ? answers.shift() : undefined;
+        return next ? Promise.reject(next) : Promise.resolve({ exitCode: 0, stdout: '', stderr: '' });
+      },
+    };
+    expect(await probeFrozen(bindExec(runner, { log }), '/m')).toBe('not-frozen');
+    expect(ran).toEqual(['fsfreeze --freeze /m', 'fsfreeze --unfreeze /m', 'fsfreeze --unfreeze /m']);
+  });
+
+  it('does not take a first thaw\'s "nothing frozen" for done', async () => {
+    const runner: Runner = {
+      run: (_scope, _command, args) =>
+        args.includes('--unfreeze')
+          ? Promise.reject(
+              new CommandError('fsfreeze', [], 1, 'unfreeze failed: Invalid argument', 'exit', 'exit 1'),
+            )
+          : Promise.resolve({ exitCode: 0, stdout: '', stderr: '' }),
+    };
+    await expect(probeFrozen(bindExec(runner, { log }), '/m')).rejects.toThrow(/exit 1/);
+  });
 });

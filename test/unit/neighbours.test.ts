@@ -8,7 +8,7 @@ import type { LoopDevice } from '../../src/host/host.js';
 import type { MountEntry } from '../../src/host/mounts.js';
 import { othersLoops, untouchable } from '../../src/node/neighbours.js';
 import { namedLoop, type NodeDeps, type OnHost } from '../../src/node/on-host.js';
-import type { Lease } from '../../src/pool/types.js';
+import { keptDevice, type Lease } from '../../src/pool/types.js';
 
 const BOOT = 'boot-1';
 
@@ -166,5 +166,20 @@ describe('the device a lease names (namedLoop)', () => {
     delete older.bootId; // an older release's lease
     expect(namedLoop([loop(1)], older, BOOT)?.name).toBe('loop1');
     expect(named({}, loop(2))).toBeUndefined();
+  });
+});
+
+describe('the device a lease taken before its attach keeps (keptDevice)', () => {
+  const before = lease('me', { accessType: 'block', device: 'loop1', deviceSeq: '4' });
+  const again = lease('me', { accessType: 'block' });
+  it('keeps the name and number named in the same boot, or by a release that recorded no boot', () => {
+    expect(keptDevice(again, before)).toEqual({ device: 'loop1', deviceSeq: '4' });
+    const older: Lease = { ...before };
+    delete older.bootId;
+    expect(keptDevice(again, older)).toEqual({ device: 'loop1', deviceSeq: '4' });
+  });
+  it('keeps nothing named in another boot, and what a lease names itself wins', () => {
+    expect(keptDevice(again, { ...before, bootId: 'boot-0' })).toEqual({});
+    expect(keptDevice({ ...again, device: 'loop2' }, before)).toEqual({ device: 'loop2' });
   });
 });
