@@ -185,8 +185,8 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
   });
 });
 
-// Runs on request (LOOPVOL_TEST_STRESS=1): it still finds a race that is not fixed. Now and then (1 run in
-// 3 or 4 at 45 rounds, 1 in 6 at 15, with other test files beside it) a NodePublishVolume right after a
+// Runs on request (LOOPVOL_TEST_STRESS=1): it still finds a race that is not fixed. Now and then (once in
+// a full npm test at 15 rounds; twice in three runs at 45) a NodePublishVolume right after a
 // NodeStageVolume answered OK answers FAILED_PRECONDITION "not staged"; no read has ever mismatched and
 // no device was ever another's. The driver before cc2e238 failed it in every run, with stagings sharing
 // one device.
