@@ -52,11 +52,12 @@ async function loopsBackedBy(image: string): Promise<string[]> {
   const devices =
     (
       JSON.parse(out || '{}') as {
-        loopdevices?: { name: string; 'back-maj:min': string; 'back-ino': string | number }[];
+        // null where losetup cannot read them (a device whose backing file's filesystem is gone)
+        loopdevices?: { name: string; 'back-maj:min': string | null; 'back-ino': string | number | null }[];
       }
     ).loopdevices ?? [];
   return devices
-    .filter((d) => d['back-maj:min'].trim() === majMin && String(d['back-ino']) === String(st.ino))
+    .filter((d) => d['back-maj:min']?.trim() === majMin && String(d['back-ino']) === String(st.ino))
     .map((d) => d.name);
 }
 

@@ -117,7 +117,7 @@ function kernelHolds(device: string): string {
     loopdevices: { 'back-maj:min': string; 'back-ino': number | string }[];
   };
   const d = out.loopdevices[0];
-  return `${d?.['back-maj:min'].trim()}:${d?.['back-ino']}`;
+  return `${d?.['back-maj:min']?.trim()}:${d?.['back-ino']}`;
 }
 
 /** Kernels from 6.5 change a loop device's diskseq at every attach and detach; before, every look asks. */
