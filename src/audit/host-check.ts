@@ -243,10 +243,11 @@ export async function hostFindings(
     });
   }
   if (notChecked > 0) {
+    const why = opts.stopProbing?.aborted
+      ? 'the probing was interrupted'
+      : 'only trying to freeze one tells (--probe-frozen does, and thaws at once)';
     notes.push(
-      opts.stopProbing?.aborted
-        ? `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: the probing was interrupted`
-        : `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: only trying to freeze one tells (--probe-frozen does, and thaws at once)`,
+      `${notChecked} xfs or btrfs filesystem${notChecked > 1 ? 's were' : ' was'} not checked for a freeze: ${why}`,
     );
   }
   return { view, findings, notes };

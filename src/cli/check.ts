@@ -4,11 +4,8 @@ import { type Finding, isProblem } from '../audit/findings.js';
 import { collectGarbage } from '../audit/gc.js';
 import { DEFAULT_KUBELET_DIR } from '../audit/host-check.js';
 import { DEFAULT_LOCK_STALE_SECONDS, DEFAULT_TRASH_AGE_SECONDS } from '../audit/pool-check.js';
-import type { Logger } from 'pino';
-import type { Exec } from '../exec/runner.js';
 import { kernelHost } from '../host/host.js';
 import { isNodeId } from '../pool/ids.js';
-import type { Pool } from '../pool/pool.js';
 import {
   cliExec,
   cliLogger,
@@ -147,69 +144,57 @@ export async function gc(argv: string[]): Promise<number> {
     const pool = await openPool(values['pool-dir'], log);
     const stop = interruptible('gc', opts);
     try {
-      return await collect(pool, log, x, stop.opts, values.yes, values.json, stop.stopped);
+      const report = await runCheck(pool, log, kernelHost, x, stop.opts);
+      if (stop.stopped()) return EXIT.interrupted;
+      const planned = report.findings.filter((f) => f.gc !== undefined);
+      if (!values.yes) {
+        if (values.json) {
+          printJson({ dryRun: true, planned, left: report.findings.filter((f) => isProblem(f) && !f.gc) });
+        } else {
+          for (const f of planned)
+            process.stdout.write(`would ${f.gc?.action ?? '?'} ${f.subject}  (${f.kind}: ${f.detail})\n`);
+          const left = report.findings.filter((f) => isProblem(f) && !f.gc).length;
+          process.stdout.write(
+            `${planned.length === 0 ? 'nothing to remove' : `dry run: ${planned.length} thing(s) to remove; run loopvol gc --yes to remove them`}${left ? `; ${left} problem(s) need an operator (loopvol check)` : ''}\n`,
+          );
+        }
+        return EXIT.ok;
+      }
+      const outcomes = await collectGarbage(
+        {
+          pool,
+          host: kernelHost,
+          x,
+          recheckHost: () => recheckHost(pool, log, kernelHost, x, stop.opts),
+          trashAgeSeconds: opts.trashAgeSeconds,
+        },
+        planned,
+      );
+      const failed = outcomes.filter((o) => o.result === 'failed');
+      if (values.json) {
+        printJson({
+          dryRun: false,
+          outcomes: outcomes.map((o) => ({
+            kind: o.finding.kind,
+            subject: o.finding.subject,
+            step: o.finding.gc,
+            result: o.result,
+            message: o.message,
+          })),
+        });
+      } else {
+        for (const o of outcomes)
+          process.stdout.write(`${o.result.padEnd(7)}  ${o.message}  (${o.finding.kind})\n`);
+        const removed = outcomes.filter((o) => o.result === 'removed').length;
+        process.stdout.write(`${removed} removed, ${failed.length} could not be removed\n`);
+      }
+      // Interrupted while removing: the planned removals were still tried (each looked at again first).
+      if (stop.stopped()) return EXIT.interrupted;
+      return failed.length > 0 ? EXIT.problems : EXIT.ok;
     } finally {
       stop.done();
     }
   });
-}
-
-async function collect(
-  pool: Pool,
-  log: Logger,
-  x: Exec,
-  opts: CheckOptions,
-  yes: boolean,
-  json: boolean,
-  stopped: () => boolean,
-): Promise<number> {
-  const report = await runCheck(pool, log, kernelHost, x, opts);
-  if (stopped()) return EXIT.interrupted;
-  const planned = report.findings.filter((f) => f.gc !== undefined);
-  if (!yes) {
-    if (json) {
-      printJson({ dryRun: true, planned, left: report.findings.filter((f) => isProblem(f) && !f.gc) });
-    } else {
-      for (const f of planned)
-        process.stdout.write(`would ${f.gc?.action ?? '?'} ${f.subject}  (${f.kind}: ${f.detail})\n`);
-      const left = report.findings.filter((f) => isProblem(f) && !f.gc).length;
-      process.stdout.write(
-        `${planned.length === 0 ? 'nothing to remove' : `dry run: ${planned.length} thing(s) to remove; run loopvol gc --yes to remove them`}${left ? `; ${left} problem(s) need an operator (loopvol check)` : ''}\n`,
-      );
-    }
-    return EXIT.ok;
-  }
-  const outcomes = await collectGarbage(
-    {
-      pool,
-      host: kernelHost,
-      x,
-      recheckHost: () => recheckHost(pool, log, kernelHost, x, opts),
-      trashAgeSeconds: opts.trashAgeSeconds,
-    },
-    planned,
-  );
-  const failed = outcomes.filter((o) => o.result === 'failed');
-  if (json) {
-    printJson({
-      dryRun: false,
-      outcomes: outcomes.map((o) => ({
-        kind: o.finding.kind,
-        subject: o.finding.subject,
-        step: o.finding.gc,
-        result: o.result,
-        message: o.message,
-      })),
-    });
-  } else {
-    for (const o of outcomes)
-      process.stdout.write(`${o.result.padEnd(7)}  ${o.message}  (${o.finding.kind})\n`);
-    const removed = outcomes.filter((o) => o.result === 'removed').length;
-    process.stdout.write(`${removed} removed, ${failed.length} could not be removed\n`);
-  }
-  // Interrupted while removing: what was planned was done (each step looked again first), not more.
-  if (stopped()) return EXIT.interrupted;
-  return failed.length > 0 ? EXIT.problems : EXIT.ok;
 }
 
 /**
