@@ -12,6 +12,8 @@ import os from 'node:os';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
+import { readSys, trustsDiskseq } from '../../src/host/loop.js';
+import { parseMountInfo } from '../../src/host/mounts.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { isRoot, MiB, mountSource, sha256, SLOW, writeRandom } from '../helpers/host.js';
@@ -27,10 +29,12 @@ const uuidOf = (dev: string): string =>
   execFileSync('blkid', ['-p', '-s', 'UUID', '-o', 'value', dev], { encoding: 'utf8' }).trim();
 
 /** The backing file sysfs shows for `/dev/loopN`, or '' when it is detached. */
-async function backingOf(dev: string): Promise<string> {
-  const name = path.basename(dev);
-  return (await fs.readFile(`/sys/block/${name}/loop/backing_file`, 'utf8').catch(() => '')).trim();
-}
+const backingOf = (dev: string): string =>
+  readSys(`/sys/block/${path.basename(dev)}/loop/backing_file`) ?? '';
+
+/** The disk sequence number of `/dev/loopN` where the driver trusts it (it changes at every attach), or ''. */
+const diskseqOf = (dev: string): string =>
+  (trustsDiskseq(os.release()) && readSys(`/sys/block/${path.basename(dev)}/diskseq`)) || '';
 
 /** The checksum of the first 4 MiB of the raw block device bound at `target`. */
 const blockSum = (target: string): string =>
@@ -50,18 +54,12 @@ async function leaseOf(
   return fences.leases[node] ?? {};
 }
 
-/** Whether this kernel changes a loop device's diskseq at every attach (6.5 on), as the driver reads it. */
-function kernelChangesDiskseq(): boolean {
-  const [major = 0, minor = 0] = os.release().split('.').map(Number);
-  return major > 6 || (major === 6 && minor >= 5);
-}
-
 /** The loop device (loopN) bound at `target` by a raw block publish (a bind of its device node). */
 async function deviceBoundAt(target: string): Promise<string> {
-  const line = (await fs.readFile('/proc/self/mountinfo', 'utf8'))
-    .split('\n')
-    .find((l) => l.split(' ')[4] === target);
-  return (line?.split(' ')[3] ?? '').replace(/^\//, '');
+  const m = parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8')).find(
+    (e) => e.mountPoint === target,
+  );
+  return (m?.root ?? '').replace(/^\//, '');
 }
 
 /**
@@ -91,7 +89,7 @@ async function attachedBy(a: DriverProcess, id: string): Promise<string> {
   expect(await a.waitForLog(attached)).toBe(true);
   const dev = (JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string }).device ?? '';
   expect(dev).toMatch(/^\/dev\/loop\d+$/);
-  expect(await backingOf(dev)).toContain(`/${id}/disk.img`);
+  expect(backingOf(dev)).toContain(`/${id}/disk.img`);
   return dev;
 }
 
@@ -110,8 +108,8 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     const formattedOn = path.basename(await mountSource(sb));
     const leaseB = await leaseOf(d.poolDir, id, 'node-b');
     expect(leaseB.device).toBe(formattedOn);
-    if (kernelChangesDiskseq())
-      expect(leaseB.deviceSeq).toBe((await fs.readFile(`/sys/block/${formattedOn}/diskseq`, 'utf8')).trim());
+    const seqB = diskseqOf(formattedOn);
+    if (seqB !== '') expect(leaseB.deviceSeq).toBe(seqB);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
 
     // Node a's stage attaches its device and is held there.
@@ -127,7 +125,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     expect(db).toMatch(/^\/dev\/loop\d+$/);
     expect(db).not.toBe(da);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
-    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    expect(backingOf(da)).toContain(`/${id}/disk.img`);
     expect(await b.waitForLog((l) => l.includes('left devices of the volume') && l.includes(da))).toBe(true);
     // Another volume attached now takes a free number; a's is not free.
     const other = await createVolume(d, `pvc-other-${RUN}`, mountCap('ext4'), 64 * MiB, 'node-b');
@@ -140,10 +138,10 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await staging;
     expect(await mountSource(sa)).toBe(da);
     expect(uuidOf(da)).toBe(uuid);
-    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    expect(backingOf(da)).toContain(`/${id}/disk.img`);
 
     await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
-    expect(await backingOf(da)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
+    expect(backingOf(da)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
     await b.clients.node.NodeUnstageVolume({ volume_id: other.id, staging_target_path: so });
   });
 
@@ -157,7 +155,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await publish(b, id, sb, tb, cap, true);
     const db = `/dev/${await deviceBoundAt(tb)}`;
     await b.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tb });
-    expect(await backingOf(db)).toContain(`/${id}/disk.img`); // still staged on b
+    expect(backingOf(db)).toContain(`/${id}/disk.img`); // still staged on b
 
     const sa = path.join(base, 'a');
     const started = Date.now();
@@ -166,22 +164,22 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     const da = await attachedBy(a, id);
     expect(da).not.toBe(db);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
-    expect(await backingOf(db)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
-    expect(await backingOf(da)).toContain(`/${id}/disk.img`);
+    expect(backingOf(db)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
+    expect(backingOf(da)).toContain(`/${id}/disk.img`);
     expect(Date.now() - started).toBeLessThan(pause);
 
     await staging;
     // a's lease names its device, with the disk sequence number it had (on kernels that show one).
-    const seq = (await fs.readFile(`/sys/block/${path.basename(da)}/diskseq`, 'utf8').catch(() => '')).trim();
+    const seq = diskseqOf(da);
     const leaseA = await leaseOf(d.poolDir, id, 'node-a');
     expect(leaseA).toMatchObject({ device: path.basename(da) });
-    if (seq !== '' && kernelChangesDiskseq()) expect(leaseA.deviceSeq).toBe(seq);
+    if (seq !== '') expect(leaseA.deviceSeq).toBe(seq);
     const ta = path.join(base, 'pods', 'a', 'dev');
     await publish(a, id, sa, ta, cap, true);
     expect(`/dev/${await deviceBoundAt(ta)}`).toBe(da);
     await a.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: ta });
     await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
-    expect(await backingOf(da)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
+    expect(backingOf(da)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
   });
 });
 
