@@ -17,7 +17,7 @@ import { mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
 import { frozen, isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
-import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
+import { type SshServer, type SshfsMount, RUN, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
 let ssh: SshServer | undefined;
@@ -110,7 +110,7 @@ describe.skipIf(skip)('a shared pool mounted again on a node that has a volume s
     const id =
       (
         await ctl.clients.controller.CreateVolume({
-          name,
+          name: `${name}-${RUN}`,
           capacity_range: { required_bytes: String(64 * MiB) },
           volume_capabilities: [cap],
         })

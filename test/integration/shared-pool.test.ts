@@ -13,7 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
-import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
+import { type SshServer, type SshfsMount, RUN, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
 let ssh: SshServer | undefined;
@@ -235,7 +235,7 @@ describe.skipIf(skip)('a pool on a network filesystem (sshfs)', () => {
 
       async function createVolume(name: string, size = 64 * MiB, source?: string): Promise<string> {
         const res = await ctl.clients.controller.CreateVolume({
-          name,
+          name: `${name}-${RUN}`,
           capacity_range: { required_bytes: String(size) },
           volume_capabilities: [cap],
           ...(source ? { volume_content_source: { snapshot: { snapshot_id: source } } } : {}),
