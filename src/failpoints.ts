@@ -19,5 +19,7 @@ export function failpoint(name: string): void {
 const pausing = /^([a-z:-]+):(\d+)$/.exec(process.env.LOOPVOL_PAUSEPOINT ?? '');
 
 export async function pausepoint(name: string): Promise<void> {
-  if (pausing?.[1] === name) await new Promise((r) => setTimeout(r, Number(pausing[2])));
+  if (pausing?.[1] !== name) return;
+  process.stderr.write(`loopvol: pausepoint ${name}: waiting ${pausing[2]} ms\n`);
+  await new Promise((r) => setTimeout(r, Number(pausing[2])));
 }

@@ -37,6 +37,7 @@ import {
   listLoops,
   type LoopDevice,
   refreshLoopSize,
+  reread,
 } from './loop.js';
 import {
   bindMount,
@@ -85,6 +86,8 @@ export interface Host {
   /** False when the device stays attached until its last user closes it. */
   detach(x: Exec, loop: LoopDevice): Promise<boolean>;
   refreshSize(x: Exec, loop: LoopDevice): Promise<LoopDevice>;
+  /** The device read again; ABORTED when it was detached since `loop` was read (maybe attached anew). */
+  reread(loop: LoopDevice): Promise<LoopDevice>;
   /** Gives a device with sectors larger than the unit of the filesystem its image holds that unit. */
   fitToImage(x: Exec, image: string, loop: LoopDevice): Promise<LoopDevice>;
   /** The device's logical sector size. */
@@ -145,6 +148,7 @@ export const kernelHost: Host = {
   attach: attachLoop,
   detach: detachLoop,
   refreshSize: refreshLoopSize,
+  reread,
   fitToImage: fitLoopToImage,
   sectorSize: loopSectorSize,
   claimed: isClaimed,

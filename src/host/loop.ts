@@ -149,7 +149,7 @@ const sameAttachment = (a: LoopDevice, b: LoopDevice): boolean =>
  * `loop` read again from sysfs, with the identity it was judged by. A device detached meanwhile (and
  * maybe attached to another file) is not `loop`'s any more: ABORTED, and nothing of it is used.
  */
-async function reread(loop: LoopDevice): Promise<LoopDevice> {
+export async function reread(loop: LoopDevice): Promise<LoopDevice> {
   const now = await readLoop(loop.name);
   if (!now || !sameAttachment(now, loop))
     throw busy(`${loop.path} was detached meanwhile (by another process); try again.`);

@@ -5,9 +5,22 @@
  * read-only), or one taken from a node while it held it. A device of theirs is never reused, and never
  * detached, by this node.
  */
+import type { Exec } from '../exec/runner.js';
 import type { LoopDevice } from '../host/host.js';
 import type { Lease } from '../pool/types.js';
-import { loopOfMount, namedLoop, type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
+import { lookAtHost, loopOfMount, namedLoop, type NodeDeps, type OnHost, stagingLoop } from './on-host.js';
+
+/**
+ * The host as lookAtHost sees it, with the volume's leases read just before. untouchable() reads them
+ * again after the look and judges by both: a neighbour's device in the look belongs to a lease one of
+ * the two readings shows. Read only after, a neighbour that unstaged meanwhile (its device detached,
+ * its lease released) would leave a device that looks like nobody's, to be reused while it goes;
+ * read only before, a stage that began meanwhile (its lease taken, its device attached) would.
+ */
+export async function lookBesideNeighbours(d: NodeDeps, x: Exec, id: string): Promise<OnHost> {
+  const leasesBefore = await d.volumes.leases(id);
+  return { ...(await lookAtHost(d, x, id)), leasesBefore };
+}
 
 /** The other nodes' leases of the volume that may name devices here, and what their stagings show. */
 async function neighbours(
@@ -17,8 +30,9 @@ async function neighbours(
   const theirs = new Set<string>();
   const underWay: Lease[] = [];
   if (on.loops.length === 0) return { theirs, underWay };
-  const leases = await d.volumes.leases(on.id);
-  const own = leases.find((l) => l.node === d.nodeId);
+  const now = await d.volumes.leases(on.id);
+  const leases = [...now, ...(on.leasesBefore ?? [])];
+  const own = now.find((l) => l.node === d.nodeId);
   const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
   for (const l of leases) {
     if (l.node === d.nodeId) continue;

@@ -79,6 +79,8 @@ export interface OnHost {
   /** Every attached loop device of this host, of any volume or none (the same reading). */
   allLoops: LoopDevice[];
   mounts: MountEntry[];
+  /** The volume's leases as read just before this look, when the caller asked (lookBesideNeighbours). */
+  leasesBefore?: Lease[];
 }
 
 /**

@@ -39,7 +39,7 @@ import {
   refuseHidingFiles,
   shows,
 } from './on-host.js';
-import { untouchable } from './neighbours.js';
+import { lookBesideNeighbours, untouchable } from './neighbours.js';
 
 export interface StageRequest {
   id: string;
@@ -102,7 +102,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // read-only: a read-only bind of a writable device node still writes.
   const [published, seen] = await Promise.all([
     heldReadOnly(d, r.id, r.cap.mode, r.publishedReadOnly),
-    lookAtHost(d, x, r.id),
+    lookBesideNeighbours(d, x, r.id),
   ]);
   const readOnly = r.cap.accessType === 'block' ? published : isReaderOnly(r.cap.mode);
   // The device this node's lease records stays the volume's after the pool was mounted again here (see
@@ -252,6 +252,10 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       loop = await attach(readOnly);
       failpoint('stage:attached');
     } else {
+      // Still the attachment the look saw (ABORTED if not): one a neighbour detached meanwhile, whose
+      // number may serve another image now, is never probed, formatted or mounted.
+      await pausepoint('stage:reusing');
+      loop = await d.host.reread(loop);
       // A reused attachment: one an attach killed before it was given the filesystem's sector size gets
       // it now (no mount would succeed), and it is made to see the image's current size (it may have
       // grown since).
@@ -300,6 +304,14 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       const why = mountErrorLine(err);
       throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);
     }
+    // Mounted, the device can no longer be detached and attached anew; still the attachment it was, the
+    // filesystem is the volume's. Otherwise its number went to another image before the mount took it.
+    try {
+      await d.host.reread(loop);
+    } catch (err) {
+      await d.host.unmountAll(detached(x), staging, undefined, (m) => m.source === loop.path);
+      throw err;
+    }
     failpoint('stage:mounted');
     await pausepoint('stage:mounted');
     if (live && (await d.host.thaw(x, staging))) {
@@ -341,7 +353,7 @@ async function detachLeftover(d: NodeDeps, x: Exec, id: string, l: LoopDevice): 
 
 /** Detaches the loop devices of volume `id` that are not in `before` and that nothing uses. */
 async function detachNew(d: NodeDeps, x: Exec, id: string, before: ReadonlySet<string>): Promise<void> {
-  const now = await lookAtHost(d, x, id);
+  const now = await lookBesideNeighbours(d, x, id);
   const others = await untouchable(d, now);
   for (const l of now.loops) {
     if (before.has(attachmentKey(l)) || others.has(l.name) || now.mounts.some((m) => loopOfMount(m, [l])))
@@ -364,7 +376,7 @@ export async function unmountIfOurs(d: NodeDeps, x: Exec, id: string, p: string)
  * mounted, or held) means the volume may still be in use here, and another node must not stage it.
  */
 async function dropLeaseIfGone(d: NodeDeps, x: Exec, id: string): Promise<void> {
-  const on = await lookAtHost(d, x, id);
+  const on = await lookBesideNeighbours(d, x, id);
   const others = await untouchable(d, on);
   const left = on.loops.filter((l) => !others.has(l.name));
   if (left.length > 0) {

@@ -18,12 +18,11 @@ import {
   isSymlinkPath,
   leaseView,
   loopOfMount,
-  lookAtHost,
   type NodeDeps,
   shows,
   stagingLoop,
 } from './on-host.js';
-import { untouchable } from './neighbours.js';
+import { lookBesideNeighbours, untouchable } from './neighbours.js';
 
 export interface UnstageRequest {
   id: string;
@@ -37,7 +36,7 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     throw conflict(
       `staging_target_path ${r.staging} is a symbolic link, which the driver never creates; it was left in place.`,
     );
-  const seen = await lookAtHost(d, x, r.id);
+  const seen = await lookBesideNeighbours(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   // A volume the pool does not show, on a pool that is not there: nothing here is touched, since its
   // lease could not be let go afterwards (UNAVAILABLE; the kubelet retries once the pool is back).

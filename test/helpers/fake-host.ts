@@ -14,7 +14,7 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { conflict } from '../../src/errors.js';
+import { busy, conflict } from '../../src/errors.js';
 import { CommandError, type Exec } from '../../src/exec/runner.js';
 import type {
   DeviceContent,
@@ -262,6 +262,13 @@ export class FakeHost implements Host {
     const l = this.mustLoop(loop.path);
     l.sizeBytes = await this.fileSizeOf(l.image);
     return { ...this.view(l), backing: loop.backing };
+  }
+
+  reread(loop: LoopDevice): Promise<LoopDevice> {
+    const l = this.attached.get(loop.name);
+    if (!l || l.backingFile !== loop.backingFile)
+      return Promise.reject(busy(`${loop.path} was detached meanwhile (by another process); try again.`));
+    return Promise.resolve({ ...this.view(l), backing: loop.backing });
   }
 
   /** Filesystems here have no unit: like attach, this keeps the device's sector size. */

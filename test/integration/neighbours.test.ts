@@ -18,9 +18,11 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { isRoot, MiB, mountSource, sha256, SLOW, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, publishTo, stage } from '../helpers/volumes.js';
+import { errorOf } from '../helpers/grpc.js';
 
 const env = new TestEnv();
 const RUN = Date.now().toString(36);
+const ROUNDS = Number(process.env.LOOPVOL_TEST_ROUNDS ?? 15);
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
@@ -183,102 +185,167 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
   });
 });
 
-// Runs on request (LOOPVOL_TEST_STRESS=1): it still finds a race that is not fixed. Now and then (once in
-// a full npm test at 15 rounds; twice in three runs at 45) a NodePublishVolume right after a
-// NodeStageVolume answered OK answers FAILED_PRECONDITION "not staged"; no read has ever mismatched and
-// no device was ever another's. The driver before cc2e238 failed it in every run, with stagings sharing
-// one device.
-describe.skipIf(!isRoot() || process.env.LOOPVOL_TEST_STRESS !== '1')(
-  'three node plugins on one host staging shared volumes at once',
+describe.skipIf(!isRoot())(
+  'a leftover device the stage reuses, detached and attached to another image meanwhile',
   () => {
-    it('each reads its volumes whole, answers every call (but ABORTED, retried), and leaves nothing attached', async () => {
-      const base = await env.dir('neighbours-many');
-      const d = await env.driver({ dir: base });
-      const nodes = ['node-a', 'node-b', 'node-c'];
-      const plugins = await Promise.all(nodes.map((n) => env.nodePlugin(base, n)));
-      // Three filesystems and a raw block volume, written by node-1, then shared read-only.
-      const vols: { id: string; cap: VolumeCapability; sum: string }[] = [];
-      for (const block of [false, false, false, true]) {
-        const writer = block ? blockCap() : mountCap('ext4');
-        const { id } = await createVolume(d, `pvc-many-${vols.length}-${RUN}`, writer, 64 * MiB);
-        const st = path.join(base, `writer-${id}`);
-        const tg = path.join(base, `writer-pod-${id}`, 'vol');
-        await stage(d, id, st, writer);
-        await publish(d, id, st, tg, writer);
-        let sum: string;
-        if (block) {
-          execFileSync('dd', ['if=/dev/urandom', `of=${tg}`, 'bs=1M', 'count=4', 'conv=fsync'], {
-            stdio: 'ignore',
-          });
-          sum = blockSum(tg);
-        } else {
-          sum = await writeRandom(path.join(tg, 'data.bin'), 4, vols.length);
-        }
-        await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg });
-        await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st });
-        await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
-        const cap = block ? blockCap('MULTI_NODE_READER_ONLY') : mountCap('ext4', 'MULTI_NODE_READER_ONLY');
-        await publishTo(d, id, nodes, cap, true);
-        vols.push({ id, cap, sum });
-      }
-      const failures: string[] = [];
-      /** A call, retried while it answers ABORTED (another call on the volume holds it). */
-      const call = async (what: string, f: () => Promise<unknown>): Promise<void> => {
-        for (let i = 0; ; i++) {
-          try {
-            await f();
-            return;
-          } catch (err) {
-            if ((err as { code?: number }).code === 10 && i < 100) {
-              await new Promise((r) => setTimeout(r, 50));
-              continue;
-            }
-            failures.push(`${what}: ${(err as Error).message}`);
-            throw err;
-          }
-        }
-      };
-      // Each node, 15 times: a volume at random, staged (unless it still is), published, read, unpublished,
-      // and mostly unstaged; every volume unstaged at the end.
-      await Promise.all(
-        plugins.map(async (p, k) => {
-          const node = nodes[k] ?? '';
-          const stagingOf = (id: string): string => path.join(base, `${node}-staging-${id}`);
-          for (let round = 0; round < 15; round++) {
-            const v = vols[Math.floor(Math.random() * vols.length)];
-            if (!v) continue;
-            const block = v.cap.block !== undefined;
-            const tg = path.join(base, `${node}-pod-${round}`, 'vol');
-            const what = (step: string): string => `${node} ${step} ${v.id} (round ${round})`;
-            try {
-              await call(what('stage'), () => stage(p, v.id, stagingOf(v.id), v.cap));
-              await call(what('publish'), () => publish(p, v.id, stagingOf(v.id), tg, v.cap, true));
-              const sum = block ? blockSum(tg) : await sha256(path.join(tg, 'data.bin'));
-              if (sum !== v.sum) failures.push(`${what('read')}: checksum ${sum}, written ${v.sum}`);
-              await call(what('unpublish'), () =>
-                p.clients.node.NodeUnpublishVolume({ volume_id: v.id, target_path: tg }),
-              );
-              if (Math.random() < 0.7)
-                await call(what('unstage'), () =>
-                  p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
-                );
-            } catch {
-              // recorded in failures
-            }
-          }
-          for (const v of vols)
-            await call(`${node} last unstage ${v.id}`, () =>
-              p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
-            ).catch(() => undefined);
-        }),
+    it.each([
+      ['before the stage uses it', 'stage:reusing'],
+      ['after the stage checked it, before its mount', 'stage:formatted'],
+    ])('%s: ABORTED, that image not left mounted, and the next stage mounts the volume', async (_, point) => {
+      const base = await env.dir('reuse-detached');
+      const pause = 4000 * SLOW;
+      const n = await env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: `${point}:${pause}` } });
+      const cap = mountCap('ext4');
+      const { id, image } = await createVolume(
+        n,
+        `pvc-reuse-${point.replace(':', '-')}-${RUN}`,
+        cap,
+        64 * MiB,
       );
-      expect(failures).toEqual([]);
-      const left = execFileSync('losetup', ['--list', '--noheadings', '--output', 'NAME,BACK-FILE'], {
-        encoding: 'utf8',
-      })
-        .split('\n')
-        .filter((l) => l.includes(base));
-      expect(left).toEqual([]);
+      const staging = path.join(base, 'staging');
+      const target = path.join(base, 'pod', 'vol');
+      await stage(n, id, staging, cap);
+      await publish(n, id, staging, target, cap);
+      const sum = await writeRandom(path.join(target, 'data.bin'), 2, 1);
+      await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+      await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+      // Another image with a filesystem of its own, and a leftover device of the volume (an interrupted call's).
+      const stranger = path.join(base, 'stranger.img');
+      execFileSync('truncate', ['-s', '32M', stranger]);
+      execFileSync('mkfs.ext4', ['-q', '-F', stranger]);
+      const strangerSum = await sha256(stranger);
+      const leftover = execFileSync('losetup', ['--find', '--show', image], { encoding: 'utf8' }).trim();
+      let strangerOn = '';
+      try {
+        const said = n.stderr().length;
+        const started = Date.now();
+        const staged = errorOf(stage(n, id, staging, cap));
+        // Held at the pause point: meanwhile that number goes to the other image.
+        while (!n.stderr().slice(said).includes(`pausepoint ${point}`)) {
+          expect(Date.now() - started).toBeLessThan(pause);
+          await new Promise((r) => setTimeout(r, 20));
+        }
+        execFileSync('losetup', ['--detach', leftover]);
+        execFileSync('losetup', [leftover, stranger]);
+        strangerOn = leftover;
+        expect(Date.now() - started).toBeLessThan(pause);
+        const e = await staged;
+        expect({ code: e.code, details: e.details }).toEqual({
+          code: 'ABORTED',
+          details: `${leftover} was detached meanwhile (by another process); try again.`,
+        });
+        const mounts = parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8'));
+        expect(mounts.filter((m) => m.source === leftover || m.mountPoint === staging)).toEqual([]);
+        expect(backingOf(leftover)).toBe(stranger);
+        execFileSync('losetup', ['--detach', leftover]);
+        strangerOn = '';
+        // Before its use, nothing of it was checked, grown or mounted (after its check, the mount that
+        // took it wrote its superblock's mount time before the stage found it and let it go).
+        if (point === 'stage:reusing') expect(await sha256(stranger)).toBe(strangerSum);
+        await stage(n, id, staging, cap);
+        await publish(n, id, staging, target, cap);
+        expect(await sha256(path.join(target, 'data.bin'))).toBe(sum);
+        await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+        await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+      } finally {
+        if (strangerOn !== '') execFileSync('losetup', ['--detach', strangerOn]);
+      }
     });
   },
 );
+
+// Before the leases were read on both sides of the look (lookBesideNeighbours) and a reused device read
+// again before its use and after its mount, this failed now and then (twice in three runs at 45 rounds):
+// a stage reused a device a neighbour's unstage was detaching, and answered "holds data but no
+// filesystem signature", or a publish right after it "not staged". LOOPVOL_TEST_ROUNDS runs it longer.
+describe.skipIf(!isRoot())('three node plugins on one host staging shared volumes at once', () => {
+  it('each reads its volumes whole, answers every call (but ABORTED, retried), and leaves nothing attached', async () => {
+    const base = await env.dir('neighbours-many');
+    const d = await env.driver({ dir: base });
+    const nodes = ['node-a', 'node-b', 'node-c'];
+    const plugins = await Promise.all(nodes.map((n) => env.nodePlugin(base, n)));
+    // Three filesystems and a raw block volume, written by node-1, then shared read-only.
+    const vols: { id: string; cap: VolumeCapability; sum: string }[] = [];
+    for (const block of [false, false, false, true]) {
+      const writer = block ? blockCap() : mountCap('ext4');
+      const { id } = await createVolume(d, `pvc-many-${vols.length}-${RUN}`, writer, 64 * MiB);
+      const st = path.join(base, `writer-${id}`);
+      const tg = path.join(base, `writer-pod-${id}`, 'vol');
+      await stage(d, id, st, writer);
+      await publish(d, id, st, tg, writer);
+      let sum: string;
+      if (block) {
+        execFileSync('dd', ['if=/dev/urandom', `of=${tg}`, 'bs=1M', 'count=4', 'conv=fsync'], {
+          stdio: 'ignore',
+        });
+        sum = blockSum(tg);
+      } else {
+        sum = await writeRandom(path.join(tg, 'data.bin'), 4, vols.length);
+      }
+      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: tg });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: st });
+      await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+      const cap = block ? blockCap('MULTI_NODE_READER_ONLY') : mountCap('ext4', 'MULTI_NODE_READER_ONLY');
+      await publishTo(d, id, nodes, cap, true);
+      vols.push({ id, cap, sum });
+    }
+    const failures: string[] = [];
+    /** A call, retried while it answers ABORTED (another call on the volume holds it). */
+    const call = async (what: string, f: () => Promise<unknown>): Promise<void> => {
+      for (let i = 0; ; i++) {
+        try {
+          await f();
+          return;
+        } catch (err) {
+          if ((err as { code?: number }).code === 10 && i < 100) {
+            await new Promise((r) => setTimeout(r, 50));
+            continue;
+          }
+          failures.push(`${what}: ${(err as Error).message}`);
+          throw err;
+        }
+      }
+    };
+    // Each node, ROUNDS times: a volume at random, staged (unless it still is), published, read, unpublished,
+    // and mostly unstaged; every volume unstaged at the end.
+    await Promise.all(
+      plugins.map(async (p, k) => {
+        const node = nodes[k] ?? '';
+        const stagingOf = (id: string): string => path.join(base, `${node}-staging-${id}`);
+        for (let round = 0; round < ROUNDS; round++) {
+          const v = vols[Math.floor(Math.random() * vols.length)];
+          if (!v) continue;
+          const block = v.cap.block !== undefined;
+          const tg = path.join(base, `${node}-pod-${round}`, 'vol');
+          const what = (step: string): string => `${node} ${step} ${v.id} (round ${round})`;
+          try {
+            await call(what('stage'), () => stage(p, v.id, stagingOf(v.id), v.cap));
+            await call(what('publish'), () => publish(p, v.id, stagingOf(v.id), tg, v.cap, true));
+            const sum = block ? blockSum(tg) : await sha256(path.join(tg, 'data.bin'));
+            if (sum !== v.sum) failures.push(`${what('read')}: checksum ${sum}, written ${v.sum}`);
+            await call(what('unpublish'), () =>
+              p.clients.node.NodeUnpublishVolume({ volume_id: v.id, target_path: tg }),
+            );
+            if (Math.random() < 0.7)
+              await call(what('unstage'), () =>
+                p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
+              );
+          } catch {
+            // recorded in failures
+          }
+        }
+        for (const v of vols)
+          await call(`${node} last unstage ${v.id}`, () =>
+            p.clients.node.NodeUnstageVolume({ volume_id: v.id, staging_target_path: stagingOf(v.id) }),
+          ).catch(() => undefined);
+      }),
+    );
+    expect(failures).toEqual([]);
+    const left = execFileSync('losetup', ['--list', '--noheadings', '--output', 'NAME,BACK-FILE'], {
+      encoding: 'utf8',
+    })
+      .split('\n')
+      .filter((l) => l.includes(base));
+    expect(left).toEqual([]);
+  });
+});

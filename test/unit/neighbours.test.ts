@@ -6,7 +6,8 @@
 import { describe, expect, it } from 'vitest';
 import type { LoopDevice } from '../../src/host/host.js';
 import type { MountEntry } from '../../src/host/mounts.js';
-import { othersLoops, untouchable } from '../../src/node/neighbours.js';
+import type { Exec } from '../../src/exec/runner.js';
+import { lookBesideNeighbours, othersLoops, untouchable } from '../../src/node/neighbours.js';
 import { namedLoop, type NodeDeps, type OnHost } from '../../src/node/on-host.js';
 import { keptDevice, type Lease } from '../../src/pool/types.js';
 
@@ -149,6 +150,47 @@ describe("another node's stage under way on this host", () => {
     );
     expect(await names(othersLoops(d, on))).toEqual([]);
     expect(await names(untouchable(d, on))).toEqual(['loop2']);
+  });
+});
+
+describe('the leases read before the look and after it (lookBesideNeighbours)', () => {
+  it("keeps a neighbour's device whose unstage released the lease between the look and the reading after it", async () => {
+    // The look saw loop1 unmounted (the neighbour had unmounted it and was about to detach it); by the
+    // reading after, its lease was gone. Only the reading before shows whose it was.
+    const { d, on } = world([], [loop(1)]);
+    expect(await names(untouchable(d, on))).toEqual([]);
+    const before = { ...on, leasesBefore: [lease('other', { device: 'loop1' })] };
+    expect(await names(untouchable(d, before))).toEqual(['loop1']);
+  });
+
+  it('reads the leases before it looks at the host, and untouchable reads them again after', async () => {
+    const order: string[] = [];
+    const readings = [[lease('other', { device: 'loop1' })], []];
+    const d = {
+      nodeId: 'me',
+      bootId: BOOT,
+      volumes: {
+        imagePath: () => '/pool/volumes/vol-1/disk.img',
+        leases: () => {
+          order.push('leases');
+          return Promise.resolve(readings.shift() ?? []);
+        },
+      },
+      host: {
+        fileId: () => Promise.resolve(undefined),
+        loops: () => {
+          order.push('loops');
+          return Promise.resolve([loop(1)]);
+        },
+        mounts: () => {
+          order.push('mounts');
+          return Promise.resolve([]);
+        },
+      },
+    } as unknown as NodeDeps;
+    const on = await lookBesideNeighbours(d, {} as Exec, 'vol-1');
+    expect(await names(untouchable(d, on))).toEqual(['loop1']);
+    expect(order).toEqual(['leases', 'loops', 'mounts', 'leases']);
   });
 });
 
