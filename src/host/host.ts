@@ -7,6 +7,7 @@
  * Every method that runs a command takes the caller's Exec, so commands obey its deadline and
  * cancellation (or, for cleanup, a detached scope of their own).
  */
+import { open } from 'node:fs/promises';
 import type { Exec } from '../exec/runner.js';
 import type { FsType } from '../pool/types.js';
 import {
@@ -88,6 +89,12 @@ export interface Host {
   refreshSize(x: Exec, loop: LoopDevice): Promise<LoopDevice>;
   /** The device read again; ABORTED when it was detached since `loop` was read (maybe attached anew). */
   reread(loop: LoopDevice): Promise<LoopDevice>;
+  /**
+   * Opens the device (read-only) and keeps it open until `release`: a detach meanwhile, anyone's, only
+   * marks it to go when its last user closes it, so its number cannot go to another image. Undefined
+   * when it is detached already.
+   */
+  hold(loop: LoopDevice): Promise<{ release(): Promise<void> } | undefined>;
   /** Gives a device with sectors larger than the unit of the filesystem its image holds that unit. */
   fitToImage(x: Exec, image: string, loop: LoopDevice): Promise<LoopDevice>;
   /** The device's logical sector size. */
@@ -149,6 +156,7 @@ export const kernelHost: Host = {
   detach: detachLoop,
   refreshSize: refreshLoopSize,
   reread,
+  hold: holdLoop,
   fitToImage: fitLoopToImage,
   sectorSize: loopSectorSize,
   claimed: isClaimed,
@@ -192,4 +200,15 @@ export async function loopsBackedBy(host: Host, x: Exec, file: string): Promise<
   const name = file.slice(file.lastIndexOf('/') + 1);
   const loops = await host.loops(x, (l) => backingName(l) === name);
   return loops.filter((l) => (l.backing ? sameFile(l.backing, id) : l.backingFile === file));
+}
+
+async function holdLoop(loop: LoopDevice): Promise<{ release(): Promise<void> } | undefined> {
+  try {
+    const fh = await open(loop.path, 'r');
+    return { release: () => fh.close().catch(() => undefined) };
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === 'ENXIO' || code === 'ENOENT') return undefined;
+    throw err;
+  }
 }

@@ -39,6 +39,7 @@ import {
   refuseHidingFiles,
   shows,
 } from './on-host.js';
+import { type Held, holdReused, mountedIsTheVolume, notMarkedToGo } from './held.js';
 import { lookBesideNeighbours, untouchable } from './neighbours.js';
 
 export interface StageRequest {
@@ -207,6 +208,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   const undo: Undo[] = previous ? [] : [(cx) => dropLeaseIfGone(d, cx, r.id)];
   // A raw block volume is attached at the sector size its data was written on (none: never written).
   let recorded: Initialization | undefined;
+  let pin: Held | undefined;
   const attach = async (ro: boolean): Promise<LoopDevice> => {
     // Every attached device by name and the backing path sysfs shows (sysfs alone, no losetup): a
     // failed attach detaches only the volume's devices that are not among them. The path is part of the
@@ -247,15 +249,15 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       await detachLeftover(d, x, r.id, loop);
       loop = undefined;
     }
+    if (loop) {
+      await pausepoint('stage:reusing');
+      ({ loop, pin } = await holdReused(d, loop));
+    }
     const reused = loop !== undefined;
     if (!loop) {
       loop = await attach(readOnly);
       failpoint('stage:attached');
     } else {
-      // Still the attachment the look saw (ABORTED if not): one a neighbour detached meanwhile, whose
-      // number may serve another image now, is never probed, formatted or mounted.
-      await pausepoint('stage:reusing');
-      loop = await d.host.reread(loop);
       // A reused attachment: one an attach killed before it was given the filesystem's sector size gets
       // it now (no mount would succeed), and it is made to see the image's current size (it may have
       // grown since).
@@ -272,6 +274,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       await naming;
       if (!recorded)
         await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`, await d.host.sectorSize(loop));
+      if (pin) await notMarkedToGo(d, loop);
       checkpoint(x);
       return;
     }
@@ -304,14 +307,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       const why = mountErrorLine(err);
       throw broken(`Mounting volume ${r.id} at ${staging} failed${flags}${why ? `: ${why}` : ''}.`, err);
     }
-    // Mounted, the device can no longer be detached and attached anew; still the attachment it was, the
-    // filesystem is the volume's. Otherwise its number went to another image before the mount took it.
-    try {
-      await d.host.reread(loop);
-    } catch (err) {
-      await d.host.unmountAll(detached(x), staging, undefined, (m) => m.source === loop.path);
-      throw err;
-    }
+    await mountedIsTheVolume(d, x, loop, staging);
     failpoint('stage:mounted');
     await pausepoint('stage:mounted');
     if (live && (await d.host.thaw(x, staging))) {
@@ -321,6 +317,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     checkpoint(x);
     x.log.info({ device: loop.path, staging, fsType, options }, 'staged volume');
   } catch (err) {
+    // Let go first: a device a detach marked meanwhile goes now, and the lease with it.
+    await pin?.release();
+    pin = undefined;
     const cx = detached(x);
     for (const step of undo.reverse()) {
       await step(cx).catch((e: unknown) => {
@@ -328,6 +327,8 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
       });
     }
     throw err;
+  } finally {
+    await pin?.release();
   }
 }
 

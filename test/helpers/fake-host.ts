@@ -271,6 +271,20 @@ export class FakeHost implements Host {
     return Promise.resolve({ ...this.view(l), backing: loop.backing });
   }
 
+  hold(loop: LoopDevice): Promise<{ release(): Promise<void> } | undefined> {
+    const l = this.attached.get(loop.name);
+    if (!l || l.backingFile !== loop.backingFile) return Promise.resolve(undefined);
+    const already = this.heldOpen.has(l.path); // a test's own holder stays
+    this.heldOpen.add(l.path);
+    return Promise.resolve({
+      release: () => {
+        if (!already) this.heldOpen.delete(l.path);
+        if (l.autoclear && !this.inUse(l) && this.attached.get(l.name) === l) this.attached.delete(l.name);
+        return Promise.resolve();
+      },
+    });
+  }
+
   /** Filesystems here have no unit: like attach, this keeps the device's sector size. */
   fitToImage(_x: Exec, _image: string, loop: LoopDevice): Promise<LoopDevice> {
     return Promise.resolve(loop);

@@ -185,71 +185,199 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
   });
 });
 
+/** A volume written through node `n`, then let go of: its id, image and data's checksum. */
+async function writtenVolume(n: DriverProcess, base: string, name: string) {
+  const cap = mountCap('ext4');
+  const { id, image } = await createVolume(n, name, cap, 64 * MiB);
+  const staging = path.join(base, 'staging');
+  const target = path.join(base, 'pod', 'vol');
+  await stage(n, id, staging, cap);
+  await publish(n, id, staging, target, cap);
+  const sum = await writeRandom(path.join(target, 'data.bin'), 2, 1);
+  await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+  await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+  const stranger = path.join(base, 'stranger.img');
+  execFileSync('truncate', ['-s', '32M', stranger]);
+  execFileSync('mkfs.ext4', ['-q', '-F', stranger]);
+  const stageAgain = () => stage(n, id, staging, cap);
+  /** Staged again, published, read; then let go of. */
+  const readBack = async () => {
+    await publish(n, id, staging, target, cap);
+    expect(await sha256(path.join(target, 'data.bin'))).toBe(sum);
+    await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
+    await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
+  };
+  return { id, image, staging, stranger, strangerSum: await sha256(stranger), stageAgain, readBack };
+}
+
+/** Waits until `n` says it is held at pause point `point` (after `said` characters of its stderr). */
+async function heldAt(n: DriverProcess, point: string, said: number, until: number): Promise<void> {
+  while (!n.stderr().slice(said).includes(`pausepoint ${point}`)) {
+    expect(Date.now()).toBeLessThan(until);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+const mountsOf = async (dev: string, at: string) =>
+  parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8')).filter(
+    (m) => m.source === dev || m.mountPoint === at,
+  );
+
+describe.skipIf(!isRoot())('a device the stage uses, detached meanwhile by a hand or a neighbour', () => {
+  const pause = 4000 * SLOW;
+  const paused = (base: string, point: string) =>
+    env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: `${point}:${pause}` } });
+
+  it('a leftover given to another image before the stage holds it: not used; a device of its own is', async () => {
+    const base = await env.dir('reuse-detached');
+    const n = await paused(base, 'stage:reusing');
+    const v = await writtenVolume(n, base, `pvc-reuse-gone-${RUN}`);
+    const leftover = execFileSync('losetup', ['--find', '--show', v.image], { encoding: 'utf8' }).trim();
+    let strangerOn = '';
+    try {
+      const said = n.stderr().length;
+      const staged = v.stageAgain();
+      await heldAt(n, 'stage:reusing', said, Date.now() + pause);
+      execFileSync('losetup', ['--detach', leftover]);
+      execFileSync('losetup', [leftover, v.stranger]);
+      strangerOn = leftover;
+      await staged;
+      expect(await mountSource(v.staging)).not.toBe(leftover);
+      expect((await mountsOf(leftover, '')).length).toBe(0);
+      expect(backingOf(leftover)).toBe(v.stranger);
+      execFileSync('losetup', ['--detach', leftover]);
+      strangerOn = '';
+      expect(await sha256(v.stranger)).toBe(v.strangerSum); // never checked, grown or mounted
+      await v.readBack();
+    } finally {
+      if (strangerOn !== '') execFileSync('losetup', ['--detach', strangerOn]);
+    }
+  });
+
+  it('a leftover the stage holds: a detach meanwhile cannot hand its number to another image', async () => {
+    const base = await env.dir('reuse-held');
+    const n = await paused(base, 'stage:formatted');
+    const v = await writtenVolume(n, base, `pvc-reuse-held-${RUN}`);
+    const leftover = execFileSync('losetup', ['--find', '--show', v.image], { encoding: 'utf8' }).trim();
+    const said = n.stderr().length;
+    const staged = v.stageAgain();
+    await heldAt(n, 'stage:formatted', said, Date.now() + pause);
+    execFileSync('losetup', ['--detach', leftover]); // answers OK: held, it is only marked to go
+    expect(() => execFileSync('losetup', [leftover, v.stranger], { stdio: 'pipe' })).toThrow();
+    await staged;
+    expect(await mountSource(v.staging)).toBe(leftover);
+    expect(backingOf(leftover)).toBe(v.image);
+    expect(readSys(`/sys/block/${path.basename(leftover)}/loop/autoclear`)).toBe('1');
+    await v.readBack();
+    expect(backingOf(leftover)).toBe(''); // it went with the unstage's unmount
+    expect(await sha256(v.stranger)).toBe(v.strangerSum);
+  });
+
+  it('a device this stage attached, given to another image before its mount: ABORTED, that image unmounted', async () => {
+    const base = await env.dir('attach-detached');
+    const n = await paused(base, 'stage:formatted');
+    const v = await writtenVolume(n, base, `pvc-attach-gone-${RUN}`);
+    let strangerOn = '';
+    try {
+      const said = n.stderr().length;
+      const logged = n.logs().length;
+      const staged = errorOf(v.stageAgain());
+      await heldAt(n, 'stage:formatted', said, Date.now() + pause);
+      const line =
+        n
+          .logs()
+          .slice(logged)
+          .find((l) => l.includes('attached loop device')) ?? '{}';
+      const dev = (JSON.parse(line) as { device?: string }).device ?? '';
+      expect(backingOf(dev)).toBe(v.image);
+      execFileSync('losetup', ['--detach', dev]);
+      execFileSync('losetup', [dev, v.stranger]);
+      strangerOn = dev;
+      const e = await staged;
+      expect({ code: e.code, details: e.details }).toEqual({
+        code: 'ABORTED',
+        details: `${dev} was detached meanwhile (by another process); try again.`,
+      });
+      expect(await mountsOf(dev, v.staging)).toEqual([]);
+      execFileSync('losetup', ['--detach', dev]);
+      strangerOn = '';
+      await v.stageAgain();
+      await v.readBack();
+    } finally {
+      if (strangerOn !== '') execFileSync('losetup', ['--detach', strangerOn]);
+    }
+  });
+});
+
 describe.skipIf(!isRoot())(
-  'a leftover device the stage reuses, detached and attached to another image meanwhile',
+  "a neighbour's unstage that judged a leftover its own, while a stage reuses it",
   () => {
-    it.each([
-      ['before the stage uses it', 'stage:reusing'],
-      ['after the stage checked it, before its mount', 'stage:formatted'],
-    ])('%s: ABORTED, that image not left mounted, and the next stage mounts the volume', async (_, point) => {
-      const base = await env.dir('reuse-detached');
-      const pause = 4000 * SLOW;
-      const n = await env.driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: `${point}:${pause}` } });
-      const cap = mountCap('ext4');
-      const { id, image } = await createVolume(
-        n,
-        `pvc-reuse-${point.replace(':', '-')}-${RUN}`,
-        cap,
-        64 * MiB,
+    it('the unstage leaves it to the stage, which then mounts the volume on it and reads its data', async () => {
+      const base = await env.dir('neighbour-leftover');
+      const d = await env.driver({ dir: base });
+      const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
+      const writer = mountCap('ext4');
+      const { id, image } = await createVolume(d, `pvc-leftover-${RUN}`, writer, 64 * MiB);
+      const ws = path.join(base, 'writer');
+      const wt = path.join(base, 'writer-pod', 'vol');
+      await stage(d, id, ws, writer);
+      await publish(d, id, ws, wt, writer);
+      const sum = await writeRandom(path.join(wt, 'data.bin'), 2, 3);
+      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: wt });
+      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: ws });
+      await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
+      // Node b's umount takes 3 s (a slow filesystem's), and says when it starts.
+      const bin = path.join(base, 'slow-bin');
+      const mark = path.join(base, 'umount-started');
+      await fs.mkdir(bin);
+      await fs.writeFile(
+        path.join(bin, 'umount'),
+        `#!/bin/sh\ntouch '${mark}'\nsleep 3\nexec /usr/bin/umount "$@"\n`,
+        { mode: 0o755 },
       );
-      const staging = path.join(base, 'staging');
-      const target = path.join(base, 'pod', 'vol');
-      await stage(n, id, staging, cap);
-      await publish(n, id, staging, target, cap);
-      const sum = await writeRandom(path.join(target, 'data.bin'), 2, 1);
-      await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
-      await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-      // Another image with a filesystem of its own, and a leftover device of the volume (an interrupted call's).
-      const stranger = path.join(base, 'stranger.img');
-      execFileSync('truncate', ['-s', '32M', stranger]);
-      execFileSync('mkfs.ext4', ['-q', '-F', stranger]);
-      const strangerSum = await sha256(stranger);
-      const leftover = execFileSync('losetup', ['--find', '--show', image], { encoding: 'utf8' }).trim();
-      let strangerOn = '';
-      try {
-        const said = n.stderr().length;
-        const started = Date.now();
-        const staged = errorOf(stage(n, id, staging, cap));
-        // Held at the pause point: meanwhile that number goes to the other image.
-        while (!n.stderr().slice(said).includes(`pausepoint ${point}`)) {
-          expect(Date.now() - started).toBeLessThan(pause);
-          await new Promise((r) => setTimeout(r, 20));
-        }
-        execFileSync('losetup', ['--detach', leftover]);
-        execFileSync('losetup', [leftover, stranger]);
-        strangerOn = leftover;
-        expect(Date.now() - started).toBeLessThan(pause);
-        const e = await staged;
-        expect({ code: e.code, details: e.details }).toEqual({
-          code: 'ABORTED',
-          details: `${leftover} was detached meanwhile (by another process); try again.`,
-        });
-        const mounts = parseMountInfo(await fs.readFile('/proc/self/mountinfo', 'utf8'));
-        expect(mounts.filter((m) => m.source === leftover || m.mountPoint === staging)).toEqual([]);
-        expect(backingOf(leftover)).toBe(stranger);
-        execFileSync('losetup', ['--detach', leftover]);
-        strangerOn = '';
-        // Before its use, nothing of it was checked, grown or mounted (after its check, the mount that
-        // took it wrote its superblock's mount time before the stage found it and let it go).
-        if (point === 'stage:reusing') expect(await sha256(stranger)).toBe(strangerSum);
-        await stage(n, id, staging, cap);
-        await publish(n, id, staging, target, cap);
-        expect(await sha256(path.join(target, 'data.bin'))).toBe(sum);
-        await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
-        await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
-      } finally {
-        if (strangerOn !== '') execFileSync('losetup', ['--detach', strangerOn]);
+      // Node a's stages are held between their look at the device and their mount.
+      const a = await env.driver({
+        dir: base,
+        socket: path.join(base, 'node-a.sock'),
+        nodeId: 'node-a',
+        mode: 'node',
+        env: { LOOPVOL_PAUSEPOINT: `stage:formatted:${6000 * SLOW}` },
+      });
+      const b = await env.driver({
+        dir: base,
+        socket: path.join(base, 'node-b.sock'),
+        nodeId: 'node-b',
+        mode: 'node',
+        env: { PATH: `${bin}:${process.env.PATH ?? ''}` },
+      });
+      await publishTo(d, id, ['node-a', 'node-b'], cap, true);
+      const sb = path.join(base, 'b');
+      await stage(b, id, sb, cap);
+      // A read-only leftover of the image (an interrupted call's): b's unstage judges it its own.
+      const leftover = execFileSync('losetup', ['--find', '--show', '--read-only', image], {
+        encoding: 'utf8',
+      }).trim();
+      const unstaging = b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
+      for (let i = 0; !(await fs.stat(mark).catch(() => undefined)); i++) {
+        expect(i).toBeLessThan(500);
+        await new Promise((r) => setTimeout(r, 10));
       }
+      // While b unmounts, a stages: b's staging still shows b's device, so a reuses the leftover, and
+      // b's unstage ends while a's stage is held before its mount.
+      const sa = path.join(base, 'a');
+      const staging = stage(a, id, sa, cap);
+      staging.catch(() => undefined); // awaited below
+      await unstaging;
+      expect(backingOf(leftover)).toBe(image);
+      await staging;
+      expect(await mountSource(sa)).toBe(leftover);
+      expect(backingOf(leftover)).toBe(image);
+      const ta = path.join(base, 'pod-a', 'vol');
+      await publish(a, id, sa, ta, cap, true);
+      expect(await sha256(path.join(ta, 'data.bin'))).toBe(sum);
+      await a.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: ta });
+      await a.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sa });
+      expect(backingOf(leftover)).not.toBe(image);
     });
   },
 );
