@@ -382,10 +382,11 @@ describe.skipIf(!isRoot())(
   },
 );
 
-// Before the leases were read on both sides of the look (lookBesideNeighbours) and a reused device read
-// again before its use and after its mount, this failed now and then (twice in three runs at 45 rounds):
-// a stage reused a device a neighbour's unstage was detaching, and answered "holds data but no
-// filesystem signature", or a publish right after it "not staged". LOOPVOL_TEST_ROUNDS runs it longer.
+// Before the leases were read on both sides of the look (lookBesideNeighbours), a reused leftover held
+// open while in use (held.ts) and an unstage's leftovers judged again before their detach, this failed
+// now and then (twice in three runs at 45 rounds): a stage reused a device a neighbour's unstage was
+// detaching, and answered "holds data but no filesystem signature", or a publish right after it "not
+// staged". LOOPVOL_TEST_ROUNDS runs it longer.
 describe.skipIf(!isRoot())('three node plugins on one host staging shared volumes at once', () => {
   it('each reads its volumes whole, answers every call (but ABORTED, retried), and leaves nothing attached', async () => {
     const base = await env.dir('neighbours-many');
