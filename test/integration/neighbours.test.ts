@@ -207,7 +207,7 @@ async function writtenVolume(n: DriverProcess, base: string, name: string) {
     await n.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });
     await n.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: staging });
   };
-  return { id, image, staging, stranger, strangerSum: await sha256(stranger), stageAgain, readBack };
+  return { id, image, sum, staging, stranger, strangerSum: await sha256(stranger), stageAgain, readBack };
 }
 
 /** Waits until `n` says it is held at pause point `point` (after `said` characters of its stderr). */
@@ -316,15 +316,7 @@ describe.skipIf(!isRoot())(
       const base = await env.dir('neighbour-leftover');
       const d = await env.driver({ dir: base });
       const cap = mountCap('ext4', 'MULTI_NODE_READER_ONLY');
-      const writer = mountCap('ext4');
-      const { id, image } = await createVolume(d, `pvc-leftover-${RUN}`, writer, 64 * MiB);
-      const ws = path.join(base, 'writer');
-      const wt = path.join(base, 'writer-pod', 'vol');
-      await stage(d, id, ws, writer);
-      await publish(d, id, ws, wt, writer);
-      const sum = await writeRandom(path.join(wt, 'data.bin'), 2, 3);
-      await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: wt });
-      await d.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: ws });
+      const { id, image, sum } = await writtenVolume(d, base, `pvc-leftover-${RUN}`);
       await d.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-1' });
       // Node b's umount takes 3 s (a slow filesystem's), and says when it starts.
       const bin = path.join(base, 'slow-bin');
