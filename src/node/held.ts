@@ -6,26 +6,52 @@
 import { busy } from '../errors.js';
 import { detached, type Exec } from '../exec/runner.js';
 import type { LoopDevice } from '../host/host.js';
-import type { NodeDeps } from './on-host.js';
+import type { NodeDeps, OnHost } from './on-host.js';
 
 export interface Held {
   release(): Promise<void>;
 }
 
 /**
- * A leftover device a stage reuses, held open while the stage uses it (Host.hold): a neighbour's
- * detach meanwhile (one that judged it a leftover of its own before this stage's lease was there to
- * see) then only marks it to go once let go of, and its number cannot go to another image. Nothing
- * (a device of its own is attached instead) when, since the look, it was detached, attached anew, or
- * so marked.
+ * A leftover device a stage reuses (`live` when a filesystem on it is in use: then nothing may be
+ * attached beside it), held open while the stage uses it (Host.hold): a neighbour's detach meanwhile
+ * then only marks it to go once let go of, and its number cannot go to another image. Nothing (a
+ * device of its own is attached instead) when:
+ *  - it is not live and another node plugin on this host holds a lease on the volume (read after this
+ *    stage took its own, which keeps a neighbour that looks later off the device): that one may be
+ *    detaching it (an unstage that judged it its own), or reusing it too;
+ *  - since the look, it was detached or attached anew, or marked to go and is not live.
+ * One marked to go that another holder keeps is refused (`refuse`): a device beside it would be a
+ * second writer of the image.
  */
-export async function holdReused(d: NodeDeps, loop: LoopDevice): Promise<{ loop?: LoopDevice; pin?: Held }> {
+export async function holdReused(
+  d: NodeDeps,
+  on: OnHost,
+  loop: LoopDevice,
+  live: (l: LoopDevice) => Promise<boolean>,
+  refuse: () => Error,
+): Promise<{ loop?: LoopDevice; pin?: Held }> {
+  if (!(await live(loop)) && (await neighbourLeased(d, on))) return {};
   const pin = await d.host.hold(loop);
-  if (!pin) return {};
   const now = await d.host.reread(loop).catch(() => undefined);
-  if (now && !now.autoclear) return { loop: now, pin };
-  await pin.release();
+  if (now && (!now.autoclear || (await live(now)))) return { loop: now, pin };
+  await pin?.release();
+  if (
+    await d.host.reread(loop).then(
+      () => true,
+      () => false,
+    )
+  )
+    throw refuse();
   return {};
+}
+
+/** Whether another node plugin on this host (this boot) holds a lease on the volume, before the look or now. */
+async function neighbourLeased(d: NodeDeps, on: OnHost): Promise<boolean> {
+  const now = await d.volumes.leases(on.id);
+  return [...(on.leasesBefore ?? []), ...now].some(
+    (l) => l.node !== d.nodeId && (l.bootId === undefined || l.bootId === d.bootId),
+  );
 }
 
 /**

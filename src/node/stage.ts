@@ -251,7 +251,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     }
     if (loop) {
       await pausepoint('stage:reusing');
-      ({ loop, pin } = await holdReused(d, loop));
+      const live = async (l: LoopDevice) => inUse(l) || (await d.host.claimed(l.path));
+      const device = loop.path;
+      ({ loop, pin } = await holdReused(d, on, loop, live, () => stillOpen(r.id, device)));
     }
     const reused = loop !== undefined;
     if (!loop) {

@@ -95,20 +95,7 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
     await detachUnused(d, x, ours, table).catch(() => undefined);
     throw fencedError(r.id, held.path);
   }
-  // A leftover (a device this staging does not use) may have become a neighbour's stage's own while
-  // this call unmounted: one that reuses it took its lease after the judgement above. It is judged again
-  // just before its detach.
-  const own = stagingLoop(on.loops, lease, on.mounts, d.bootId);
-  if (ours.some((l) => l.name !== own?.name)) {
-    const now = await untouchable(d, await lookBesideNeighbours(d, x, r.id));
-    for (const l of ours) if (l.name !== own?.name && now.has(l.name)) others.add(l.name);
-  }
-  await detachUnused(
-    d,
-    x,
-    ours.filter((l) => !others.has(l.name)),
-    table,
-  );
+  await detachUnused(d, x, ours, table);
   const spared = on.loops.filter((l) => others.has(l.name) && !table.some((m) => loopOfMount(m, [l])));
   if (spared.length > 0) {
     x.log.info(

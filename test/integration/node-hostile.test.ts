@@ -331,6 +331,7 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     const gone = new Promise((resolve) => holder.once('exit', resolve));
     const codes: Record<string, string> = {};
     let message = '';
+    let devices = 0;
     try {
       await new Promise((resolve) => holder.stdout.once('data', resolve));
       codes.unpublish = await codeOf(unpublish(id, target));
@@ -345,6 +346,7 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       // Staged again meanwhile, it is the live filesystem that copy keeps (the kernel hands back its
       // superblock), never a second one on the same disk; unstaged, it stays held as before.
       codes.restage = await codeOf(stage(d, id, staging, cap));
+      devices = sh('losetup', ['--associated', image]).trim().split('\n').length;
       codes.delete = await codeOf(d.clients.controller.DeleteVolume({ volume_id: id }));
       codes.again = await codeOf(unstage(id, staging));
     } finally {
@@ -364,6 +366,7 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       last: 'OK',
     });
     expect(message).toMatch(/still open.*another mount namespace/);
+    expect(devices).toBe(1); // the restage mounted the device marked to go, with no second one beside it
     expect(attached()).toBe('');
     expect(await isMounted(staging)).toBe(false);
     // Its data is whole: staged again, the file reads back as written.

@@ -7,6 +7,7 @@ import { describe, expect, it } from 'vitest';
 import type { LoopDevice } from '../../src/host/host.js';
 import type { MountEntry } from '../../src/host/mounts.js';
 import type { Exec } from '../../src/exec/runner.js';
+import { holdReused } from '../../src/node/held.js';
 import { lookBesideNeighbours, othersLoops, untouchable } from '../../src/node/neighbours.js';
 import { namedLoop, type NodeDeps, type OnHost } from '../../src/node/on-host.js';
 import { keptDevice, type Lease } from '../../src/pool/types.js';
@@ -223,5 +224,68 @@ describe('the device a lease taken before its attach keeps (keptDevice)', () => 
   it('keeps nothing named in another boot, and what a lease names itself wins', () => {
     expect(keptDevice(again, { ...before, bootId: 'boot-0' })).toEqual({});
     expect(keptDevice({ ...again, device: 'loop2' }, before)).toEqual({ device: 'loop2' });
+  });
+});
+
+describe('a leftover a stage would reuse (holdReused)', () => {
+  /** `d` whose host shows `readings` at its rereads, one each (undefined: detached meanwhile). */
+  function reuse(leases: Lease[], readings: (LoopDevice | undefined)[]) {
+    const events: string[] = [];
+    const d = {
+      nodeId: 'me',
+      bootId: BOOT,
+      volumes: { leases: () => Promise.resolve(leases) },
+      host: {
+        hold: () => {
+          events.push('hold');
+          return Promise.resolve({
+            release: () => {
+              events.push('release');
+              return Promise.resolve();
+            },
+          });
+        },
+        reread: () => {
+          const r = readings.shift();
+          return r ? Promise.resolve(r) : Promise.reject(new Error('detached meanwhile'));
+        },
+      },
+    } as unknown as NodeDeps;
+    const { on } = world(leases, [loop(1)]);
+    return { d, on, events };
+  }
+  const refuse = () => new Error('still open');
+  const live = (yes: boolean) => () => Promise.resolve(yes);
+  const marked = { ...loop(1), autoclear: true };
+
+  it('is held and reused when it is still that attachment and no neighbour holds a lease', async () => {
+    const { d, on, events } = reuse([lease('me')], [loop(1)]);
+    const got = await holdReused(d, on, loop(1), live(false), refuse);
+    expect({ name: got.loop?.name, held: got.pin !== undefined, events }).toEqual({
+      name: 'loop1',
+      held: true,
+      events: ['hold'],
+    });
+  });
+
+  it("is left alone, not even held, while a neighbour's lease is there (unless live)", async () => {
+    const { d, on, events } = reuse([lease('other', { device: 'loop1' })], [loop(1)]);
+    expect(await holdReused(d, on, loop(1), live(false), refuse)).toEqual({});
+    expect(events).toEqual([]);
+  });
+
+  it('is reused when marked to go but live: a device beside it would be a second filesystem', async () => {
+    const { d, on } = reuse([lease('other')], [marked]);
+    const got = await holdReused(d, on, loop(1), live(true), refuse);
+    expect(got.loop?.autoclear).toBe(true);
+  });
+
+  it('is let go of when detached meanwhile, and refused when marked to go but held by another', async () => {
+    const gone = reuse([], [undefined, undefined]);
+    expect(await holdReused(gone.d, gone.on, loop(1), live(false), refuse)).toEqual({});
+    expect(gone.events).toEqual(['hold', 'release']);
+    const kept = reuse([], [marked, marked]);
+    await expect(holdReused(kept.d, kept.on, loop(1), live(false), refuse)).rejects.toThrow('still open');
+    expect(kept.events).toEqual(['hold', 'release']);
   });
 });
