@@ -92,7 +92,8 @@ export interface Host {
   /**
    * Opens the device (read-only) and keeps it open until `release`: a detach meanwhile, anyone's, only
    * marks it to go when its last user closes it, so its number cannot go to another image. Undefined
-   * when it is detached already.
+   * when it cannot be opened: its detach is under way (the kernel refuses opens then), or no node of it
+   * is here.
    */
   hold(loop: LoopDevice): Promise<{ release(): Promise<void> } | undefined>;
   /** Gives a device with sectors larger than the unit of the filesystem its image holds that unit. */

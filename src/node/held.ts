@@ -20,9 +20,10 @@ export interface Held {
  *  - it is not live and another node plugin on this host holds a lease on the volume (read after this
  *    stage took its own, which keeps a neighbour that looks later off the device): that one may be
  *    detaching it (an unstage that judged it its own), or reusing it too;
- *  - since the look, it was detached or attached anew, or marked to go and is not live.
- * One marked to go that another holder keeps is refused (`refuse`): a device beside it would be a
- * second writer of the image.
+ *  - it cannot be held (its detach is under way), or since the look it was detached or attached anew,
+ *    or marked to go, and it is not live.
+ * One that is live but cannot be held, or marked to go and kept by another holder, is refused
+ * (`refuse`): a device beside it would be a second filesystem, or a second writer, of the image.
  */
 export async function holdReused(
   d: NodeDeps,
@@ -33,24 +34,39 @@ export async function holdReused(
 ): Promise<{ loop?: LoopDevice; pin?: Held }> {
   if (!(await live(loop)) && (await neighbourLeased(d, on))) return {};
   const pin = await d.host.hold(loop);
-  const now = await d.host.reread(loop).catch(() => undefined);
-  if (now && (!now.autoclear || (await live(now)))) return { loop: now, pin };
-  await pin?.release();
-  if (
-    await d.host.reread(loop).then(
-      () => true,
-      () => false,
-    )
-  )
-    throw refuse();
+  if (!pin) {
+    if (await live(loop)) throw refuse();
+    return {};
+  }
+  try {
+    const now = await d.host.reread(loop).catch(() => undefined);
+    if (now && (!now.autoclear || (await live(now)))) return { loop: now, pin };
+  } catch (err) {
+    await pin.release();
+    throw err;
+  }
+  await pin.release();
+  const still = await d.host.reread(loop).then(
+    () => true,
+    () => false,
+  );
+  if (still) throw refuse();
   return {};
 }
 
-/** Whether another node plugin on this host (this boot) holds a lease on the volume, before the look or now. */
+/**
+ * Whether another node plugin on this host holds a lease on the volume, before the look or now: one
+ * taken in this boot, or, not revoked, by a release that recorded no boot. A lease at a staging path
+ * of this node's own is this node's (neighbours()).
+ */
 async function neighbourLeased(d: NodeDeps, on: OnHost): Promise<boolean> {
-  const now = await d.volumes.leases(on.id);
-  return [...(on.leasesBefore ?? []), ...now].some(
-    (l) => l.node !== d.nodeId && (l.bootId === undefined || l.bootId === d.bootId),
+  const leases = [...(on.leasesBefore ?? []), ...(await d.volumes.leases(on.id))];
+  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
+  return leases.some(
+    (l) =>
+      l.node !== d.nodeId &&
+      !ownPaths.has(l.stagingPath) &&
+      (l.bootId === d.bootId || (l.bootId === undefined && l.revokedAt === undefined)),
   );
 }
 

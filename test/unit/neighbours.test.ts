@@ -229,7 +229,7 @@ describe('the device a lease taken before its attach keeps (keptDevice)', () => 
 
 describe('a leftover a stage would reuse (holdReused)', () => {
   /** `d` whose host shows `readings` at its rereads, one each (undefined: detached meanwhile). */
-  function reuse(leases: Lease[], readings: (LoopDevice | undefined)[]) {
+  function reuse(leases: Lease[], readings: (LoopDevice | undefined)[], openable = true) {
     const events: string[] = [];
     const d = {
       nodeId: 'me',
@@ -238,6 +238,7 @@ describe('a leftover a stage would reuse (holdReused)', () => {
       host: {
         hold: () => {
           events.push('hold');
+          if (!openable) return Promise.resolve(undefined);
           return Promise.resolve({
             release: () => {
               events.push('release');
@@ -287,5 +288,25 @@ describe('a leftover a stage would reuse (holdReused)', () => {
     const kept = reuse([], [marked, marked]);
     await expect(holdReused(kept.d, kept.on, loop(1), live(false), refuse)).rejects.toThrow('still open');
     expect(kept.events).toEqual(['hold', 'release']);
+  });
+
+  it('is not used when it cannot be held (its detach under way), and refused then if live', async () => {
+    const going = reuse([], [loop(1)], false);
+    expect(await holdReused(going.d, going.on, loop(1), live(false), refuse)).toEqual({});
+    const liveGoing = reuse([], [loop(1)], false);
+    await expect(holdReused(liveGoing.d, liveGoing.on, loop(1), live(true), refuse)).rejects.toThrow(
+      'still open',
+    );
+  });
+
+  it("counts no lease of another boot, nor a revoked one that recorded no boot, as a neighbour's", async () => {
+    const { d, on } = reuse(
+      [
+        lease('gone', { bootId: 'boot-0' }),
+        lease('old', { bootId: undefined, revokedAt: '2026-12-01T00:00:00Z' }),
+      ],
+      [loop(1)],
+    );
+    expect((await holdReused(d, on, loop(1), live(false), refuse)).loop?.name).toBe('loop1');
   });
 });
