@@ -6,6 +6,7 @@
 import { busy } from '../errors.js';
 import { detached, type Exec } from '../exec/runner.js';
 import type { LoopDevice } from '../host/host.js';
+import { neighbourLeased } from './neighbours.js';
 import type { NodeDeps, OnHost } from './on-host.js';
 
 export interface Held {
@@ -52,22 +53,6 @@ export async function holdReused(
   );
   if (still) throw refuse();
   return {};
-}
-
-/**
- * Whether another node plugin on this host holds a lease on the volume, before the look or now: one
- * taken in this boot, or, not revoked, by a release that recorded no boot. A lease at a staging path
- * of this node's own is this node's (neighbours()).
- */
-async function neighbourLeased(d: NodeDeps, on: OnHost): Promise<boolean> {
-  const leases = [...(on.leasesBefore ?? []), ...(await d.volumes.leases(on.id))];
-  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
-  return leases.some(
-    (l) =>
-      l.node !== d.nodeId &&
-      !ownPaths.has(l.stagingPath) &&
-      (l.bootId === d.bootId || (l.bootId === undefined && l.revokedAt === undefined)),
-  );
 }
 
 /**

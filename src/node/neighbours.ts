@@ -31,16 +31,8 @@ async function neighbours(
   const underWay: Lease[] = [];
   if (on.loops.length === 0) return { theirs, underWay };
   const now = await d.volumes.leases(on.id);
-  const leases = [...now, ...(on.leasesBefore ?? [])];
   const own = now.find((l) => l.node === d.nodeId);
-  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
-  for (const l of leases) {
-    if (l.node === d.nodeId) continue;
-    // A lease taken on another host (a node force-detached and gone, whose revoked lease lingers, or
-    // another reader) names nothing here. Kubelet's staging path is the same on every node, so reading
-    // it against this host's mount table would take this node's own staging for that node's; a path
-    // this node's own lease names is this node's whatever the boot ids say (they may be unreadable).
-    if ((l.bootId !== undefined && l.bootId !== d.bootId) || ownPaths.has(l.stagingPath)) continue;
+  for (const l of neighbourLeases(d, [...now, ...(on.leasesBefore ?? [])])) {
     // A raw block lease that names no device yet is a stage under way: which device it attached is not
     // guessed (any of the volume's would do, this node's own too).
     const shown =
@@ -51,6 +43,33 @@ async function neighbours(
     else if (l.revokedAt === undefined) underWay.push(l);
   }
   return { ...(own ? { own } : {}), theirs, underWay };
+}
+
+/**
+ * The leases in `leases` that other node plugins on this host may hold. A lease taken on another host
+ * (a node force-detached and gone, whose revoked lease lingers, or another reader) names nothing here.
+ * Kubelet's staging path is the same on every node, so reading it against this host's mount table
+ * would take this node's own staging for that node's; a path this node's own lease names is this
+ * node's whatever the boot ids say (they may be unreadable).
+ */
+function neighbourLeases(d: NodeDeps, leases: readonly Lease[]): Lease[] {
+  const ownPaths = new Set(leases.filter((l) => l.node === d.nodeId).map((l) => l.stagingPath));
+  return leases.filter(
+    (l) =>
+      l.node !== d.nodeId &&
+      !ownPaths.has(l.stagingPath) &&
+      (l.bootId === undefined || l.bootId === d.bootId),
+  );
+}
+
+/**
+ * Whether another node plugin on this host holds a lease on the volume, before the look or now: one
+ * taken in this boot, or, not revoked, by a release that recorded no boot (a revoked one of those may
+ * be a node gone for good).
+ */
+export async function neighbourLeased(d: NodeDeps, on: OnHost): Promise<boolean> {
+  const leases = neighbourLeases(d, [...(on.leasesBefore ?? []), ...(await d.volumes.leases(on.id))]);
+  return leases.some((l) => l.bootId !== undefined || l.revokedAt === undefined);
 }
 
 /** Loop devices of the volume that other nodes' stagings on this host show: not this node's to judge. */

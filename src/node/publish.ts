@@ -35,7 +35,7 @@ import {
   shows,
   stagingLoop,
 } from './on-host.js';
-import { lookBesideNeighbours, othersLoops, untouchable } from './neighbours.js';
+import { othersLoops, untouchable } from './neighbours.js';
 import { unmountIfOurs } from './stage.js';
 import { detachUnused } from './unstage.js';
 
@@ -261,7 +261,7 @@ export async function unpublishVolume(d: NodeDeps, x: Exec, r: UnpublishRequest)
   if (!isVolumeId(r.id)) throw missing(`Volume ${r.id} does not exist.`);
   const target = await callerPath(d, r.target, 'target_path');
   const symlink = await isSymlinkPath(d, r.target);
-  const seen = await lookBesideNeighbours(d, x, r.id);
+  const seen = await lookAtHost(d, x, r.id);
   const known = (await d.volumes.inspect(r.id)).state !== 'absent';
   const lease = await d.volumes.lease(r.id, d.nodeId);
   // A bind of the device this node's lease records at its staging path is the volume's, even when the
