@@ -250,6 +250,13 @@ export async function diskUsage(file: string): Promise<number> {
 }
 
 export const MiB = 2 ** 20;
+
+/**
+ * A tag for this run's volume names. A volume's id is a hash of its name, sysfs shows an image on sshfs
+ * from the mount's root (/volumes/<id>/disk.img), and loop devices outlive a run that was killed: with
+ * names of its own, no volume of this run is taken for a device an earlier run left behind.
+ */
+export const RUN = Date.now().toString(36);
 export const GiB = 2 ** 30;
 
 export const isRoot = (): boolean => process.getuid?.() === 0;

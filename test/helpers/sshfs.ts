@@ -12,7 +12,6 @@
  * once sshfs has read the request) until SIGCONT. Cleanup therefore resumes every stopped server first.
  */
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
-import { randomBytes } from 'node:crypto';
 import { accessSync, constants, existsSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import net from 'node:net';
@@ -21,13 +20,6 @@ import path from 'node:path';
 import { leaksUnder, SLOW } from './host.js';
 
 export const SSHD = '/usr/sbin/sshd';
-
-/**
- * A tag for this run's volume names. sysfs shows an image on sshfs from the mount's root
- * (/volumes/<id>/disk.img), the same in every run, and loop devices outlive a run that was killed:
- * with a name of its own, no volume of this run is taken for a device an earlier run left behind.
- */
-export const RUN = randomBytes(4).toString('hex');
 const SFTP_SERVERS = [
   '/usr/lib/openssh/sftp-server',
   '/usr/libexec/openssh/sftp-server',

@@ -17,6 +17,7 @@ import {
   leaksUnder,
   MiB,
   ownMountNamespace,
+  RUN,
   scratchFilesystem,
   SLOW,
   writeRandom,
@@ -25,7 +26,6 @@ import { createVolume } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 /** Names unique to this run: a device another run left behind never matches one of ours. */
-const RUN = Date.now().toString(36);
 const writers: ChildProcess[] = [];
 afterAll(async () => {
   for (const w of writers) w.kill('SIGKILL');

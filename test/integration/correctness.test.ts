@@ -13,14 +13,13 @@ import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js'
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { isRoot, MiB, RUN, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
-const RUN = Date.now().toString(36);
 const TiB = 2 ** 40;
 
 /** The per-mount options the kernel shows for `mp`. */

@@ -13,7 +13,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
-import { frozen, isRoot, MiB, mountSource, sha256, thawFenced, writeRandom } from '../helpers/host.js';
+import { frozen, isRoot, MiB, mountSource, RUN, sha256, thawFenced, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
 const fencedDevices: string[] = [];
@@ -23,7 +23,6 @@ afterAll(async () => {
 });
 
 const cap = mountCap('ext4');
-const RUN = Date.now().toString(36);
 
 async function retryUntilOk(call: () => Promise<unknown>, seconds: number): Promise<{ refusals: string[] }> {
   const refusals: string[] = [];

@@ -16,14 +16,12 @@ import { copyImage } from '../../src/pool/images.js';
 import { setTelemetry } from '../../src/telemetry.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf } from '../helpers/grpc.js';
-import { isRoot, MiB } from '../helpers/host.js';
+import { isRoot, MiB, RUN } from '../helpers/host.js';
 
 const env = new TestEnv();
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
-
-const RUN = Date.now().toString(36);
 
 function freePort(): Promise<number> {
   return new Promise((resolve) => {

@@ -16,12 +16,11 @@ import { readSys, trustsDiskseq } from '../../src/host/loop.js';
 import { parseMountInfo } from '../../src/host/mounts.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
-import { isRoot, MiB, mountSource, sha256, SLOW, writeRandom } from '../helpers/host.js';
+import { isRoot, MiB, mountSource, RUN, sha256, SLOW, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, publishTo, stage } from '../helpers/volumes.js';
 import { errorOf } from '../helpers/grpc.js';
 
 const env = new TestEnv();
-const RUN = Date.now().toString(36);
 const ROUNDS = Number(process.env.LOOPVOL_TEST_ROUNDS ?? 15);
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);

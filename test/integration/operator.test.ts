@@ -15,7 +15,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type DriverProcess, runMain } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
-import { isMounted, isRoot, MiB } from '../helpers/host.js';
+import { isMounted, isRoot, MiB, RUN } from '../helpers/host.js';
 
 const env = new TestEnv();
 const thawAtEnd: string[] = [];
@@ -24,7 +24,6 @@ afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });
 
-const RUN = Date.now().toString(36);
 const sh = (cmd: string, args: string[]): string => execFileSync(cmd, args, { encoding: 'utf8' }).trim();
 
 interface Found {

@@ -16,8 +16,8 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { errorOf } from '../helpers/grpc.js';
 import { publish, stage } from '../helpers/volumes.js';
-import { frozen, isRoot, MiB, sha256, thawFenced, writeRandom } from '../helpers/host.js';
-import { type SshServer, type SshfsMount, RUN, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
+import { frozen, isRoot, MiB, RUN, sha256, thawFenced, writeRandom } from '../helpers/host.js';
+import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
 let ssh: SshServer | undefined;

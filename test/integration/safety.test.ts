@@ -18,6 +18,7 @@ import {
   MiB,
   mountSource,
   ownMountNamespace,
+  RUN,
   sha256,
   SLOW,
   writeRandom,
@@ -26,7 +27,6 @@ import { createVolume, publish, publishTo, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
 /** Names unique to this run: a device another run left behind never matches one of ours. */
-const RUN = Date.now().toString(36);
 afterAll(async () => {
   expect(await env.teardown()).toEqual([]);
 });

@@ -12,8 +12,8 @@ import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js'
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isRoot, MiB, sha256, writeRandom } from '../helpers/host.js';
-import { type SshServer, type SshfsMount, RUN, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
+import { isRoot, MiB, RUN, sha256, writeRandom } from '../helpers/host.js';
+import { type SshServer, type SshfsMount, sshfsUnavailable, startSshServer } from '../helpers/sshfs.js';
 
 const env = new TestEnv();
 let ssh: SshServer | undefined;
