@@ -6,7 +6,7 @@
  * cancelled stream, an error further down) kills the command: nothing runs on after its reader.
  */
 import { execa } from 'execa';
-import { commandEnv, commandFailure, type RunScope } from './runner.js';
+import { commandEnv, commandFailure, keepExitHandlers, type RunScope } from './runner.js';
 
 export interface LinesOptions {
   /** Upper bound for the command; the caller's deadline lowers it further. Default 10 minutes. */
@@ -31,6 +31,7 @@ export async function* commandLines(
   if (scope.deadline !== undefined && Number.isFinite(scope.deadline)) {
     timeout = Math.min(timeout, Math.max(1, scope.deadline - Date.now()));
   }
+  keepExitHandlers();
   const started = performance.now();
   const child = execa(command, args, {
     reject: false,

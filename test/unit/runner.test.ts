@@ -4,6 +4,7 @@
  * once, it may still have done its work). Either way the answer is the deadline's, not a failed
  * command's. A command's own, shorter limit is its own failure.
  */
+import { spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
@@ -79,5 +80,64 @@ describe('why a command ended without an exit status', () => {
       reason: 'spawn',
       why,
     });
+  });
+});
+
+describe('commands when this process ends', () => {
+  const x = bindExec(runner, { log });
+  const signalListeners = () => process.listenerCount('SIGVTALRM');
+
+  it('keeps the exit handlers installed between commands instead of adding and removing them around each', async () => {
+    await x.run('true', []);
+    const kept = signalListeners();
+    expect(kept).toBeGreaterThan(0);
+    await x.run('true', []);
+    expect(signalListeners()).toBe(kept);
+    await Promise.all([x.run('true', []), x.run('sleep', ['0.05'])]);
+    expect(signalListeners()).toBe(kept);
+  });
+
+  const RUNNER = path.resolve('dist/exec/runner.js');
+  const alive = (pid: number): boolean => {
+    try {
+      process.kill(pid, 0);
+      return true;
+    } catch {
+      return false;
+    }
+  };
+
+  it.each([
+    ['exits', 'process.exit(0)', { code: 0, signal: null }],
+    [
+      'gets a signal it has no handler for',
+      'process.kill(process.pid, "SIGHUP")',
+      { code: null, signal: 'SIGHUP' },
+    ],
+  ])('kills a command still running when the process %s', async (_what, end, expected) => {
+    dir ||= await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
+    const pidFile = path.join(dir, `sleep-${expected.signal ?? 'exit'}.pid`);
+    const script = `
+      import { pino } from 'pino';
+      import { bindExec, ExecRunner } from ${JSON.stringify(RUNNER)};
+      import { existsSync } from 'node:fs';
+      const x = bindExec(new ExecRunner(), { log: pino({ level: 'silent' }) });
+      await x.run('true', []);
+      void x.run('sh', ['-c', 'echo $$ > ${pidFile}; exec sleep 30']).catch(() => {});
+      while (!existsSync(${JSON.stringify(pidFile)})) await new Promise((r) => setTimeout(r, 10));
+      await new Promise((r) => setTimeout(r, 50));
+      ${end};`;
+    const child = spawn(process.execPath, ['--input-type=module', '-e', script], { stdio: 'inherit' });
+    const ended = await new Promise<{ code: number | null; signal: string | null }>((resolve) =>
+      child.once('exit', (code, signal) => {
+        resolve({ code, signal });
+      }),
+    );
+    expect(ended).toEqual(expected);
+    const pid = Number((await fs.readFile(pidFile, 'utf8')).trim());
+    for (let i = 0; i < 100 && alive(pid); i++) await new Promise((r) => setTimeout(r, 20));
+    const left = alive(pid);
+    if (left) process.kill(pid, 'SIGKILL');
+    expect(left).toBe(false);
   });
 });
