@@ -39,58 +39,119 @@ export function csiProto(): ProtoGrpcType {
 
 export const REDACTED = '[REDACTED]';
 
-let root: protobuf.Root | undefined;
-function protoRoot(): protobuf.Root {
-  if (!root) {
-    root = protobuf.loadSync(PROTO_PATH);
-    root.resolveAll();
-  }
-  return root;
-}
-
 const isSecretField = (field: protobuf.Field): boolean => {
   const options = field.options ?? {};
   return options['(csi_secret)'] === true || options['(csi.v1.csi_secret)'] === true;
 };
 
-/** Names of all fields marked csi_secret, as "Message.field" (for tests and docs). */
-export function secretFields(): string[] {
-  const out: string[] = [];
+/** How a message is copied for a log line: its secret fields, and its fields holding messages that hold one. */
+interface Plan {
+  secrets: string[];
+  nested: { name: string; how: 'one' | 'list' | 'map'; plan: Plan }[];
+}
+
+interface Redaction {
+  /** By "Service.Method": the plan of its request. */
+  plans: Map<string, Plan>;
+  /** Every csi_secret field, as "csi.v1.Message.field". */
+  secrets: string[];
+}
+
+let redaction: Redaction | undefined;
+
+/**
+ * Reads the proto's secret fields into plans, once. The protobufjs Root read for it (a second one beside
+ * the one grpc-js serves from, ~1.4 MiB of memory) is let go once the plans are made: they hold none of
+ * it, and they walk only the fields that lead to a secret.
+ */
+function redactionOfProto(): Redaction {
+  if (redaction) return redaction;
+  const root = protobuf.loadSync(PROTO_PATH);
+  root.resolveAll();
+  const types: protobuf.Type[] = [];
+  const services: protobuf.Service[] = [];
   const visit = (ns: protobuf.NamespaceBase): void => {
     for (const nested of ns.nestedArray) {
-      if (nested instanceof protobuf.Type) {
-        for (const f of nested.fieldsArray)
-          if (isSecretField(f)) out.push(`${nested.fullName.slice(1)}.${f.name}`);
-      }
+      if (nested instanceof protobuf.Type) types.push(nested);
+      if (nested instanceof protobuf.Service) services.push(nested);
       if (nested instanceof protobuf.Namespace) visit(nested);
     }
   };
-  visit(protoRoot());
-  return out.sort();
+  visit(root);
+  const subType = (f: protobuf.Field): protobuf.Type | undefined =>
+    f.resolvedType instanceof protobuf.Type ? f.resolvedType : undefined;
+  // The types that hold a secret at any depth: those with one of their own, then those holding those.
+  const holding = new Set(types.filter((t) => t.fieldsArray.some(isSecretField)));
+  for (let grew = true; grew;) {
+    grew = false;
+    for (const t of types) {
+      if (holding.has(t)) continue;
+      if (
+        !t.fieldsArray.some((f) => {
+          const sub = subType(f);
+          return sub !== undefined && holding.has(sub);
+        })
+      )
+        continue;
+      holding.add(t);
+      grew = true;
+    }
+  }
+  const made = new Map<protobuf.Type, Plan>();
+  const planOf = (t: protobuf.Type): Plan => {
+    const known = made.get(t);
+    if (known) return known;
+    const plan: Plan = { secrets: [], nested: [] };
+    made.set(t, plan);
+    for (const f of t.fieldsArray) {
+      const sub = subType(f);
+      if (isSecretField(f)) plan.secrets.push(f.name);
+      else if (sub && holding.has(sub)) {
+        const how = f.repeated ? 'list' : f instanceof protobuf.MapField ? 'map' : 'one';
+        plan.nested.push({ name: f.name, how, plan: planOf(sub) });
+      }
+    }
+    return plan;
+  };
+  const plans = new Map<string, Plan>();
+  for (const svc of services) {
+    for (const m of svc.methodsArray) {
+      m.resolve();
+      if (m.resolvedRequestType) plans.set(`${svc.name}.${m.name}`, planOf(m.resolvedRequestType));
+    }
+  }
+  const secrets = types.flatMap((t) =>
+    t.fieldsArray.filter(isSecretField).map((f) => `${t.fullName.slice(1)}.${f.name}`),
+  );
+  return (redaction = { plans, secrets: secrets.sort() });
 }
 
-function redactMessage(value: unknown, type: protobuf.Type, depth: number): unknown {
+/** Names of all fields marked csi_secret, as "csi.v1.Message.field" (for tests and docs). */
+export function secretFields(): string[] {
+  return [...redactionOfProto().secrets];
+}
+
+function redactMessage(value: unknown, plan: Plan, depth: number): unknown {
   if (typeof value !== 'object' || value === null || depth > 16) return value;
   const src = value as Record<string, unknown>;
   const out: Record<string, unknown> = { ...src };
-  for (const field of type.fieldsArray) {
-    const v = src[field.name];
+  for (const name of plan.secrets) {
+    const v = src[name];
     if (v === undefined || v === null) continue;
-    if (isSecretField(field)) {
-      const empty = typeof v === 'object' ? Object.keys(v).length === 0 : v === '';
-      out[field.name] = empty ? v : REDACTED;
-      continue;
-    }
-    const sub = field.resolvedType;
-    if (!(sub instanceof protobuf.Type)) continue;
-    if (field.repeated && Array.isArray(v)) {
-      out[field.name] = v.map((x: unknown) => redactMessage(x, sub, depth + 1));
-    } else if (field instanceof protobuf.MapField && typeof v === 'object') {
-      out[field.name] = Object.fromEntries(
+    const empty = typeof v === 'object' ? Object.keys(v).length === 0 : v === '';
+    out[name] = empty ? v : REDACTED;
+  }
+  for (const { name, how, plan: sub } of plan.nested) {
+    const v = src[name];
+    if (v === undefined || v === null) continue;
+    if (how === 'list' && Array.isArray(v)) {
+      out[name] = v.map((x: unknown) => redactMessage(x, sub, depth + 1));
+    } else if (how === 'map' && typeof v === 'object') {
+      out[name] = Object.fromEntries(
         Object.entries(v as Record<string, unknown>).map(([k, x]) => [k, redactMessage(x, sub, depth + 1)]),
       );
     } else {
-      out[field.name] = redactMessage(v, sub, depth + 1);
+      out[name] = redactMessage(v, sub, depth + 1);
     }
   }
   return out;
@@ -98,11 +159,7 @@ function redactMessage(value: unknown, type: protobuf.Type, depth: number): unkn
 
 /** A function that copies a request of `service`.`method` with every secret field replaced. */
 export function requestRedactor(service: string, method: string): (request: unknown) => unknown {
-  const svc = protoRoot().lookupService(`csi.v1.${service}`);
-  const m = svc.methods[method];
-  if (!m) throw new Error(`no method ${service}.${method} in the CSI proto`);
-  m.resolve();
-  const type = m.resolvedRequestType;
-  if (!type) throw new Error(`unresolved request type for ${service}.${method}`);
-  return (request) => redactMessage(request, type, 0);
+  const plan = redactionOfProto().plans.get(`${service}.${method}`);
+  if (!plan) throw new Error(`no method ${service}.${method} in the CSI proto`);
+  return (request) => redactMessage(request, plan, 0);
 }

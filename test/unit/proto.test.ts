@@ -74,4 +74,22 @@ describe('secret redaction', () => {
     const empty = redact({ name: 'x', secrets: {} }) as Record<string, unknown>;
     expect(empty.secrets).toEqual({});
   });
+
+  it('redacts the secrets of every request that has them', () => {
+    const services = ['Identity', 'Controller', 'Node', 'GroupController', 'SnapshotMetadata'];
+    for (const field of secretFields()) {
+      const [, , message = '', name = ''] = field.split('.');
+      const method = message.replace(/Request$/, '');
+      const found = services.flatMap((s) => {
+        try {
+          return [requestRedactor(s, method)];
+        } catch {
+          return [];
+        }
+      });
+      expect(found, field).toHaveLength(1);
+      const out = found[0]?.({ [name]: { token: 'hunter2' }, volume_id: 'v' });
+      expect(out, field).toEqual({ [name]: REDACTED, volume_id: 'v' });
+    }
+  });
 });
