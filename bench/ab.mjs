@@ -11,7 +11,16 @@
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
-import { GiB, REPO, capOf, cleanup, lifecycleTimes, median, startDriver } from './lib.mjs';
+import {
+  DEPLOYED_NODE_ARGS,
+  GiB,
+  REPO,
+  capOf,
+  cleanup,
+  lifecycleTimes,
+  median,
+  startDriver,
+} from './lib.mjs';
 
 const PROVISION = ['CreateVolume', 'ControllerPublishVolume', 'NodeStageVolume', 'NodePublishVolume'];
 const TEARDOWN = ['NodeUnpublishVolume', 'NodeUnstageVolume', 'ControllerUnpublishVolume', 'DeleteVolume'];
@@ -30,14 +39,9 @@ try {
     ['this', REPO],
     ['other', path.resolve(other)],
   ]) {
-    const d = await startDriver(
-      await fs.mkdtemp(path.join(dir, `${name}-`)),
-      [],
-      ['--max-semi-space-size=1'],
-      {
-        repo,
-      },
-    );
+    const d = await startDriver(await fs.mkdtemp(path.join(dir, `${name}-`)), [], DEPLOYED_NODE_ARGS, {
+      repo,
+    });
     drivers.push({ name, repo, d });
   }
   const rows = [];

@@ -131,7 +131,7 @@ async function firstWrites(dir, cmds, vs, rounds) {
 }
 
 export async function dataPath(dir, results, { runtime = 3, rounds = 1, depths = [1, 32] }) {
-  const d = await startDriver(dir, ['--log-level=debug'], [], { logs: true });
+  const d = await startDriver(dir, ['--log-level=debug'], undefined, { logs: true });
   const cap = capOf('ext4');
   const v = await d.c.controller.CreateVolume({
     name: 'fio',

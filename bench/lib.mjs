@@ -81,7 +81,15 @@ function stopper(proc) {
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
  * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
  */
-export async function startDriver(dir, extra = [], nodeArgs = [], { logs = false, repo = REPO } = {}) {
+/** The Node flags the driver runs with where it is deployed: `npm start` and the image's entrypoint. */
+export const DEPLOYED_NODE_ARGS = ['--max-semi-space-size=1'];
+
+export async function startDriver(
+  dir,
+  extra = [],
+  nodeArgs = DEPLOYED_NODE_ARGS,
+  { logs = false, repo = REPO } = {},
+) {
   const socket = path.join(dir, `csi-${Math.random().toString(36).slice(2)}.sock`);
   const proc = spawn(
     process.execPath,
@@ -123,14 +131,11 @@ export async function startDriver(dir, extra = [], nodeArgs = [], { logs = false
   };
 }
 
-/** The floor of a call: bench/bare-server.mjs, constant answers on the same proto. */
-export async function startBare(dir, nodeArgs = []) {
-  const socket = path.join(dir, `bare-${Math.random().toString(36).slice(2)}.sock`);
-  const proc = spawn(
-    process.execPath,
-    [...nodeArgs, path.join(REPO, 'bench', 'bare-server.mjs'), `unix://${socket}`],
-    { stdio: ['ignore', 'ignore', 'inherit'] },
-  );
+/** A CSI server other than loopvol, started on a socket of its own under `dir`: `argv(socket)` runs it. */
+async function startServer(dir, prefix, argv) {
+  const socket = path.join(dir, `${prefix}-${Math.random().toString(36).slice(2)}.sock`);
+  const [cmd, ...args] = argv(socket);
+  const proc = spawn(cmd, args, { stdio: ['ignore', 'ignore', 'inherit'] });
   const c = client(`unix://${socket}`);
   await waitServing(c);
   const stop = stopper(proc);
@@ -143,6 +148,35 @@ export async function startBare(dir, nodeArgs = []) {
       await stop();
     },
   };
+}
+
+/** The floor of a call: bench/bare-server.mjs, constant answers on the same proto. */
+export function startBare(dir, nodeArgs = DEPLOYED_NODE_ARGS) {
+  return startServer(dir, 'bare', (socket) => [
+    process.execPath,
+    ...nodeArgs,
+    path.join(REPO, 'bench', 'bare-server.mjs'),
+    `unix://${socket}`,
+  ]);
+}
+
+/**
+ * The Go reference driver (kubernetes-csi/csi-driver-host-path's hostpathplugin), when
+ * LOOPVOL_BENCH_REFERENCE names a binary of it built outside this repository (bench/README.md says
+ * how); undefined otherwise.
+ */
+export const REFERENCE = process.env.LOOPVOL_BENCH_REFERENCE || undefined;
+
+export async function startReference(dir) {
+  if (!REFERENCE) return undefined;
+  const state = path.join(dir, 'hostpath-state');
+  await fs.mkdir(state, { recursive: true });
+  return startServer(dir, 'hostpath', (socket) => [
+    REFERENCE,
+    `--endpoint=unix://${socket}`,
+    '--nodeid=bench-node',
+    `--statedir=${state}`,
+  ]);
 }
 
 /** RSS (MiB) and CPU seconds of a process. */

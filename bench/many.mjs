@@ -11,8 +11,8 @@ import { GiB, capOf, loopsUnder, mountsUnder, now, round, sleep, startDriver } f
 const run = promisify(execFile);
 const sh = async (cmd, argv) => (await run(cmd, argv, { env: { ...process.env, LC_ALL: 'C' } })).stdout;
 
-export async function many(dir, results, { count = 64, kind = 'ext4', nodeArgs = [] } = {}) {
-  const d = await startDriver(await mkdir(dir, 'driver'), [], nodeArgs);
+export async function many(dir, results, { count = 64, kind = 'ext4', nodeArgs, repo } = {}) {
+  const d = await startDriver(await mkdir(dir, 'driver'), [], nodeArgs, { repo });
   const cap = capOf(kind);
   const retries = {};
   const took = {}; // method -> ms of each call, retries included: where the total goes

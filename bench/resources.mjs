@@ -4,14 +4,25 @@
 // native memory, malloc arenas, thread stacks) are read from the process itself through
 // /metrics (prom-client's process and nodejs series).
 /* global fetch */
-import { capOf, MiB, mk, procStats, round, rpcRate, sleep, startBare, startDriver } from './lib.mjs';
+import {
+  capOf,
+  DEPLOYED_NODE_ARGS,
+  MiB,
+  mk,
+  procStats,
+  round,
+  rpcRate,
+  sleep,
+  startBare,
+  startDriver,
+} from './lib.mjs';
 
 /**
- * Node flags proposed for the image (see bench/README.md): a young generation of 1 MiB semi-spaces
- * instead of up to 16 MiB (V8 on 64 bits), which the driver's short-lived per-call garbage never needs.
- * No old-space limit: a limit turns a large pool into a crash.
+ * The Node flags of the image and `npm start` (see bench/README.md): a young generation of 1 MiB
+ * semi-spaces instead of up to 16 MiB (V8 on 64 bits), which the driver's short-lived per-call garbage
+ * never needs. No old-space limit: a limit turns a large pool into a crash.
  */
-export const SMALL_FOOTPRINT = ['--max-semi-space-size=1'];
+export const SMALL_FOOTPRINT = DEPLOYED_NODE_ARGS;
 
 let port = 39480;
 

@@ -5,7 +5,7 @@
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { Worker } from 'node:worker_threads';
-import { median, now, procStats, round, startBare, startDriver } from './lib.mjs';
+import { median, now, procStats, round, startBare, startDriver, startReference } from './lib.mjs';
 
 const WORKER = path.join(path.dirname(fileURLToPath(import.meta.url)), 'load-worker.mjs');
 
@@ -53,10 +53,15 @@ const DEPLOYED = ['--metrics-address=127.0.0.1:39392', '--log-level=info'];
 export async function rpc(dir, results, { rounds, ops, driverArgs = DEPLOYED }) {
   const d = await startDriver(dir, driverArgs);
   const bare = await startBare(dir);
+  const reference = await startReference(dir).catch(async (err) => {
+    await Promise.all([d.stop(), bare.stop()]);
+    throw err;
+  });
   const servers = [
     ['loopvol', d, loaders(d.endpoint, 2)],
     ['bare', bare, loaders(bare.endpoint, 2)],
   ];
+  if (reference) servers.push(['hostpath', reference, loaders(reference.endpoint, 2)]);
   const methods = ['Probe', 'NodeGetCapabilities'];
   const samples = {};
   const push = (key, v) => (samples[key] ??= []).push(v);
@@ -89,6 +94,7 @@ export async function rpc(dir, results, { rounds, ops, driverArgs = DEPLOYED }) 
     for (const c of [1, 32]) {
       const drv = median(samples[`${m}|${c}|loopvol`]);
       const flr = median(samples[`${m}|${c}|bare`]);
+      const ref = median(samples[`${m}|${c}|hostpath`] ?? []);
       rows.push({
         call: m,
         concurrency: c,
@@ -97,6 +103,11 @@ export async function rpc(dir, results, { rounds, ops, driverArgs = DEPLOYED }) 
         ratio: round(drv / flr, 2),
         'loopvol CPU µs/call': Math.round(median(samples[`${m}|${c}|loopvol|cpu`])),
         'bare CPU µs/call': Math.round(median(samples[`${m}|${c}|bare|cpu`])),
+        ...(reference && {
+          'hostpath calls/s': Math.round(ref),
+          'loopvol / hostpath': round(drv / ref, 2),
+          'hostpath CPU µs/call': Math.round(median(samples[`${m}|${c}|hostpath|cpu`])),
+        }),
         goal: c === 32 ? 'ratio >= 0.9' : '',
         rounds,
       });

@@ -40,7 +40,7 @@ async function waitLog(d, method, id) {
 }
 
 export async function stage(dir, results, { reps, kinds = ['ext4', 'xfs', 'btrfs', 'block'], sizeGiB = 1 }) {
-  const d = await startDriver(dir, ['--log-level=debug'], [], { logs: true });
+  const d = await startDriver(dir, ['--log-level=debug'], undefined, { logs: true });
   const rows = [];
   const breakdown = [];
   try {
