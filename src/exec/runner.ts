@@ -136,12 +136,21 @@ let exitHandlersKept = false;
  * comes and removes them when its last goes, so a command run while no other runs started and closed
  * that many signal handles around its spawn: 1–1.5 ms of this process's CPU per command (bench/README.md).
  * One handler that never goes keeps them in place from the first command on: every command is killed
- * at exit as before, without the churn. A signal this process has no listener of its own for still
- * ends it as the default would (signal-exit sends it again once its handlers ran).
+ * at exit as before, without the churn. What this changes, now that the listeners stay while nothing
+ * runs too:
+ *  - SIGTERM and SIGINT: nothing (main.ts listens to them, and signal-exit acts on a signal only when
+ *    no one else listens: a drain lets its commands finish);
+ *  - a signal nothing else listens to (SIGHUP, SIGQUIT…): signal-exit kills the running commands and
+ *    sends it again, which ends this process as before; as PID 1 (a container) the kernel ignores it,
+ *    as before, but signal-exit has then run its exit handlers, which it does once per process, so
+ *    later commands are not killed at exit: the kernel kills them when PID 1 ends;
+ *  - SIGXFSZ, which Node ignores (a write past `ulimit -f` fails with EFBIG instead): this process
+ *    listens to it itself, doing nothing, so signal-exit never sends it again (which would kill it).
  */
 export function keepExitHandlers(): void {
   if (exitHandlersKept) return;
   exitHandlersKept = true;
+  process.on('SIGXFSZ', () => undefined);
   onExit(() => undefined);
 }
 

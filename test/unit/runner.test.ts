@@ -4,7 +4,8 @@
  * once, it may still have done its work). Either way the answer is the deadline's, not a failed
  * command's. A command's own, shorter limit is its own failure.
  */
-import { spawn } from 'node:child_process';
+import { type ChildProcess, spawn } from 'node:child_process';
+import { existsSync, readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
@@ -98,14 +99,55 @@ describe('commands when this process ends', () => {
   });
 
   const RUNNER = path.resolve('dist/exec/runner.js');
-  const alive = (pid: number): boolean => {
+  /** A process that is gone or a zombie (killed, not yet reaped by whoever adopted it). */
+  const gone = (pid: number): boolean => {
     try {
-      process.kill(pid, 0);
-      return true;
+      const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+      return stat.slice(stat.lastIndexOf(')') + 2).startsWith('Z');
     } catch {
-      return false;
+      return true;
     }
   };
+  const sleepMs = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+  /**
+   * Runs `body` in a Node process of its own, with `x` a runner that has run one command, and `file`
+   * a path of this test's. `during(child)` runs once `file` exists. Resolves with how it ended.
+   */
+  async function inProcess(
+    name: string,
+    body: (file: string) => string,
+    during: (child: ChildProcess) => void = () => undefined,
+  ): Promise<{ ended: { code: number | null; signal: string | null }; file: string }> {
+    dir ||= await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
+    const file = path.join(dir, name);
+    const script = `
+      import { pino } from 'pino';
+      import { bindExec, ExecRunner } from ${JSON.stringify(RUNNER)};
+      import { existsSync } from 'node:fs';
+      const file = ${JSON.stringify(file)};
+      const x = bindExec(new ExecRunner(), { log: pino({ level: 'silent' }) });
+      const waitFor = async (f) => { while (!existsSync(f)) await new Promise((r) => setTimeout(r, 10)); };
+      await x.run('true', []);
+      ${body(file)}`;
+    const child = spawn(process.execPath, ['--input-type=module', '-e', script], { stdio: 'inherit' });
+    const ended = new Promise<{ code: number | null; signal: string | null }>((resolve) =>
+      child.once('exit', (code, signal) => {
+        resolve({ code, signal });
+      }),
+    );
+    for (let i = 0; i < 500 && !existsSync(file) && child.exitCode === null; i++) await sleepMs(10);
+    during(child);
+    return { ended: await ended, file };
+  }
+
+  /** The pid the command wrote (atomically) to `file`. */
+  async function commandPid(file: string): Promise<number> {
+    const pid = Number((await fs.readFile(file, 'utf8')).trim());
+    expect(Number.isInteger(pid) && pid > 1, `pid ${pid}`).toBe(true);
+    return pid;
+  }
+  const writesPid = (file: string) => `echo $$ > ${file}.tmp && mv ${file}.tmp ${file}`;
 
   it.each([
     ['exits', 'process.exit(0)', { code: 0, signal: null }],
@@ -115,29 +157,54 @@ describe('commands when this process ends', () => {
       { code: null, signal: 'SIGHUP' },
     ],
   ])('kills a command still running when the process %s', async (_what, end, expected) => {
-    dir ||= await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
-    const pidFile = path.join(dir, `sleep-${expected.signal ?? 'exit'}.pid`);
-    const script = `
-      import { pino } from 'pino';
-      import { bindExec, ExecRunner } from ${JSON.stringify(RUNNER)};
-      import { existsSync } from 'node:fs';
-      const x = bindExec(new ExecRunner(), { log: pino({ level: 'silent' }) });
-      await x.run('true', []);
-      void x.run('sh', ['-c', 'echo $$ > ${pidFile}; exec sleep 30']).catch(() => {});
-      while (!existsSync(${JSON.stringify(pidFile)})) await new Promise((r) => setTimeout(r, 10));
+    const name = `sleep-${expected.signal ?? 'exit'}.pid`;
+    const { ended, file } = await inProcess(
+      name,
+      (f) => `void x.run('sh', ['-c', ${JSON.stringify(`${writesPid(f)}; exec sleep 30`)}]).catch(() => {});
+      await waitFor(file);
       await new Promise((r) => setTimeout(r, 50));
-      ${end};`;
-    const child = spawn(process.execPath, ['--input-type=module', '-e', script], { stdio: 'inherit' });
-    const ended = await new Promise<{ code: number | null; signal: string | null }>((resolve) =>
-      child.once('exit', (code, signal) => {
-        resolve({ code, signal });
-      }),
+      ${end};`,
     );
-    expect(ended).toEqual(expected);
-    const pid = Number((await fs.readFile(pidFile, 'utf8')).trim());
-    for (let i = 0; i < 100 && alive(pid); i++) await new Promise((r) => setTimeout(r, 20));
-    const left = alive(pid);
-    if (left) process.kill(pid, 'SIGKILL');
-    expect(left).toBe(false);
+    const pid = await commandPid(file);
+    try {
+      expect(ended).toEqual(expected);
+      for (let i = 0; i < 150 && !gone(pid); i++) await sleepMs(20);
+      expect(gone(pid)).toBe(true);
+    } finally {
+      if (!gone(pid)) process.kill(pid, 'SIGKILL');
+    }
+  });
+
+  it('lets a command finish when the process drains on a SIGTERM it handles itself', async () => {
+    dir ||= await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
+    const done = path.join(dir, 'drained.done');
+    const { ended, file } = await inProcess(
+      'drain.pid',
+      (
+        f,
+      ) => `const running = x.run('sh', ['-c', ${JSON.stringify(`${writesPid(f)}; sleep 0.3; echo done > ${done}`)}]);
+      process.on('SIGTERM', () => { void running.then(() => process.exit(0), () => process.exit(3)); });
+      await waitFor(file);
+      await new Promise((r) => setTimeout(r, 5000));
+      process.exit(4);`,
+      (child) => child.kill('SIGTERM'),
+    );
+    const pid = await commandPid(file);
+    try {
+      expect(ended).toEqual({ code: 0, signal: null });
+      expect((await fs.readFile(done, 'utf8')).trim()).toBe('done');
+    } finally {
+      if (!gone(pid)) process.kill(pid, 'SIGKILL');
+    }
+  });
+
+  it('survives a SIGXFSZ while no command runs, as Node does (a write past the limit fails instead)', async () => {
+    const { ended } = await inProcess(
+      'xfsz.ready',
+      () => `process.kill(process.pid, 'SIGXFSZ');
+      await new Promise((r) => setTimeout(r, 200));
+      process.exit(0);`,
+    );
+    expect(ended).toEqual({ code: 0, signal: null });
   });
 });
