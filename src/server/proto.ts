@@ -51,7 +51,7 @@ interface Plan {
 }
 
 interface Redaction {
-  /** By "Service.Method": the plan of its request. */
+  /** By "package.Service.Method": the plan of its request. */
   plans: Map<string, Plan>;
   /** Every csi_secret field, as "csi.v1.Message.field". */
   secrets: string[];
@@ -66,7 +66,9 @@ let redaction: Redaction | undefined;
  */
 function redactionOfProto(): Redaction {
   if (redaction) return redaction;
-  const root = protobuf.loadSync(PROTO_PATH);
+  // Field names as the proto spells them, as requests come (LOADER_OPTIONS.keepCase): protobufjs would
+  // otherwise camel-case them, and a secret named in two words would never match its request's field.
+  const root = new protobuf.Root().loadSync(PROTO_PATH, { keepCase: true });
   root.resolveAll();
   const types: protobuf.Type[] = [];
   const services: protobuf.Service[] = [];
@@ -117,7 +119,8 @@ function redactionOfProto(): Redaction {
   for (const svc of services) {
     for (const m of svc.methodsArray) {
       m.resolve();
-      if (m.resolvedRequestType) plans.set(`${svc.name}.${m.name}`, planOf(m.resolvedRequestType));
+      if (m.resolvedRequestType)
+        plans.set(`${svc.fullName.slice(1)}.${m.name}`, planOf(m.resolvedRequestType));
     }
   }
   const secrets = types.flatMap((t) =>
@@ -159,7 +162,7 @@ function redactMessage(value: unknown, plan: Plan, depth: number): unknown {
 
 /** A function that copies a request of `service`.`method` with every secret field replaced. */
 export function requestRedactor(service: string, method: string): (request: unknown) => unknown {
-  const plan = redactionOfProto().plans.get(`${service}.${method}`);
+  const plan = redactionOfProto().plans.get(`csi.v1.${service}.${method}`);
   if (!plan) throw new Error(`no method ${service}.${method} in the CSI proto`);
   return (request) => redactMessage(request, plan, 0);
 }
