@@ -69,20 +69,21 @@ async function waitServing(c) {
 
 function stopper(proc) {
   return async () => {
-    if (proc.exitCode !== null) return;
+    if (proc.exitCode !== null || proc.pid === undefined) return;
     const exited = new Promise((r) => proc.once('exit', r));
     proc.kill('SIGTERM');
     await exited;
   };
 }
 
+/** The Node flags the driver runs with where it is deployed: `npm start` and the image's entrypoint. */
+export const DEPLOYED_NODE_ARGS = ['--max-semi-space-size=1'];
+
 /**
  * The real driver (dist/main.js), in a process of its own, serving a pool in `dir`/pool. With
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
  * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
  */
-/** The Node flags the driver runs with where it is deployed: `npm start` and the image's entrypoint. */
-export const DEPLOYED_NODE_ARGS = ['--max-semi-space-size=1'];
 
 export async function startDriver(
   dir,
@@ -136,9 +137,17 @@ async function startServer(dir, prefix, argv) {
   const socket = path.join(dir, `${prefix}-${Math.random().toString(36).slice(2)}.sock`);
   const [cmd, ...args] = argv(socket);
   const proc = spawn(cmd, args, { stdio: ['ignore', 'ignore', 'inherit'] });
+  const failed = new Promise((_, reject) => proc.once('error', reject));
+  failed.catch(() => {}); // an error after it serves is the stop's business
   const c = client(`unix://${socket}`);
-  await waitServing(c);
   const stop = stopper(proc);
+  try {
+    await Promise.race([waitServing(c), failed]);
+  } catch (err) {
+    c.close();
+    await stop();
+    throw new Error(`${cmd} did not serve on ${socket}: ${err.message}`);
+  }
   return {
     proc,
     c,
