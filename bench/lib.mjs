@@ -84,7 +84,6 @@ export const DEPLOYED_NODE_ARGS = ['--max-semi-space-size=1'];
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
  * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
  */
-
 export async function startDriver(
   dir,
   extra = [],
@@ -174,7 +173,7 @@ export function startBare(dir, nodeArgs = DEPLOYED_NODE_ARGS) {
  * LOOPVOL_BENCH_REFERENCE names a binary of it built outside this repository (bench/README.md says
  * how); undefined otherwise.
  */
-export const REFERENCE = process.env.LOOPVOL_BENCH_REFERENCE || undefined;
+const REFERENCE = process.env.LOOPVOL_BENCH_REFERENCE || undefined;
 
 export async function startReference(dir) {
   if (!REFERENCE) return undefined;

@@ -141,11 +141,18 @@ describe('commands when this process ends', () => {
     return { ended: await ended, file };
   }
 
-  /** The pid the command wrote (atomically) to `file`. */
-  async function commandPid(file: string): Promise<number> {
+  /**
+   * Runs `check` with the pid the command wrote (atomically) to `file`, and kills that command after
+   * it if it is still there, whatever `check` found.
+   */
+  async function withCommand(file: string, check: (pid: number) => Promise<void>): Promise<void> {
     const pid = Number((await fs.readFile(file, 'utf8')).trim());
     expect(Number.isInteger(pid) && pid > 1, `pid ${pid}`).toBe(true);
-    return pid;
+    try {
+      await check(pid);
+    } finally {
+      if (!gone(pid)) process.kill(pid, 'SIGKILL');
+    }
   }
   const writesPid = (file: string) => `echo $$ > ${file}.tmp && mv ${file}.tmp ${file}`;
 
@@ -165,37 +172,29 @@ describe('commands when this process ends', () => {
       await new Promise((r) => setTimeout(r, 50));
       ${end};`,
     );
-    const pid = await commandPid(file);
-    try {
+    await withCommand(file, async (pid) => {
       expect(ended).toEqual(expected);
       for (let i = 0; i < 150 && !gone(pid); i++) await sleepMs(20);
       expect(gone(pid)).toBe(true);
-    } finally {
-      if (!gone(pid)) process.kill(pid, 'SIGKILL');
-    }
+    });
   });
 
   it('lets a command finish when the process drains on a SIGTERM it handles itself', async () => {
-    dir ||= await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-'));
-    const done = path.join(dir, 'drained.done');
     const { ended, file } = await inProcess(
       'drain.pid',
       (
         f,
-      ) => `const running = x.run('sh', ['-c', ${JSON.stringify(`${writesPid(f)}; sleep 0.3; echo done > ${done}`)}]);
+      ) => `const running = x.run('sh', ['-c', ${JSON.stringify(`${writesPid(f)}; sleep 0.3; echo done > ${f}.done`)}]);
       process.on('SIGTERM', () => { void running.then(() => process.exit(0), () => process.exit(3)); });
       await waitFor(file);
       await new Promise((r) => setTimeout(r, 5000));
       process.exit(4);`,
       (child) => child.kill('SIGTERM'),
     );
-    const pid = await commandPid(file);
-    try {
+    await withCommand(file, async () => {
       expect(ended).toEqual({ code: 0, signal: null });
-      expect((await fs.readFile(done, 'utf8')).trim()).toBe('done');
-    } finally {
-      if (!gone(pid)) process.kill(pid, 'SIGKILL');
-    }
+      expect((await fs.readFile(`${file}.done`, 'utf8')).trim()).toBe('done');
+    });
   });
 
   it('survives a SIGXFSZ while no command runs, as Node does (a write past the limit fails instead)', async () => {
