@@ -19,6 +19,7 @@ import type { IdentityHandlers } from './gen/csi/v1/Identity.js';
 import type { NodeHandlers } from './gen/csi/v1/Node.js';
 import type { SnapshotMetadataHandlers } from './gen/csi/v1/SnapshotMetadata.js';
 import { type PoolState, Readiness } from './health.js';
+import { heapSize, IdleCollector, v8FullCollection } from './idle-gc.js';
 import { kernelHost } from './host/host.js';
 import { Metrics, serveMetrics } from './metrics.js';
 import { Capacity } from './pool/capacity.js';
@@ -124,6 +125,8 @@ export async function startDriver(
   };
   if (serving) report(serving.pool);
   let active = 0;
+  const collect = v8FullCollection();
+  const collector = collect ? new IdleCollector({ collect, heapSize, log }) : undefined;
   const deps: CallDeps = {
     log,
     runner,
@@ -132,9 +135,11 @@ export async function startDriver(
     tracker: {
       begin: () => {
         active++;
+        collector?.begin();
       },
       end: () => {
         active--;
+        collector?.end();
       },
     },
   };
@@ -193,6 +198,7 @@ export async function startDriver(
   }
 
   await listen(server, config.endpoint, log);
+  collector?.start();
   let metricsServer: http.Server | undefined;
   if (metrics && config.metricsAddress) {
     metricsServer = await serveMetrics(metrics, config.metricsAddress, () => readiness.problem(), log);
@@ -213,6 +219,7 @@ export async function startDriver(
     inFlightCalls: () => active,
     async stop() {
       stopping = true;
+      collector?.stop();
       const halted = opening.stop();
       reporter?.stop();
       serving?.discarding?.stop();

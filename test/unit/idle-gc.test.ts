@@ -1,0 +1,193 @@
+/**
+ * The heap collected once calls stop (src/idle-gc.ts): when, and only when, the last call has ended,
+ * none began for QUIET_MS, the heap's size grew by GROWTH_BYTES and the last collection is MIN_INTERVAL_MS
+ * old; and V8's own collection, reached without --expose-gc, really collects (in a process of its own).
+ */
+import { spawnSync } from 'node:child_process';
+import path from 'node:path';
+import { pino } from 'pino';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { GROWTH_BYTES, IdleCollector, MIN_INTERVAL_MS, QUIET_MS } from '../../src/idle-gc.js';
+
+const log = pino({ level: 'silent' });
+const MiB = 2 ** 20;
+
+/** A collector over a heap the test sets, counting collections; a collection drops the heap to `live`. */
+function setup(live = 20 * MiB) {
+  let used = live;
+  const state = { collections: 0 };
+  const collector = new IdleCollector({
+    collect: () => {
+      state.collections++;
+      used = live;
+    },
+    heapSize: () => used,
+    log,
+    now: () => Date.now(),
+  });
+  return {
+    collector,
+    state,
+    grow: (bytes: number) => {
+      used += bytes;
+    },
+    /** One call, begun and ended now. */
+    call: () => {
+      collector.begin();
+      collector.end();
+    },
+  };
+}
+
+describe('when the heap is collected', () => {
+  beforeEach(() => {
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] });
+  });
+  afterEach(() => {
+    vi.useRealTimers();
+  });
+
+  it('collects once the last call ended and QUIET_MS passed, when the heap grew enough', () => {
+    const t = setup();
+    t.collector.begin();
+    t.grow(GROWTH_BYTES);
+    t.collector.end();
+    vi.advanceTimersByTime(QUIET_MS - 1);
+    expect(t.state.collections).toBe(0);
+    vi.advanceTimersByTime(1);
+    expect(t.state.collections).toBe(1);
+    // Nothing more while quiet: the next look comes with the next call's end.
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('does not collect a heap that grew less than GROWTH_BYTES', () => {
+    const t = setup();
+    t.grow(GROWTH_BYTES - 1);
+    t.call();
+    vi.advanceTimersByTime(10 * QUIET_MS);
+    expect(t.state.collections).toBe(0);
+  });
+
+  it('never collects while a call is in flight, however long it runs', () => {
+    const t = setup();
+    t.grow(2 * GROWTH_BYTES);
+    t.call(); // the last call ended: a look is due in QUIET_MS
+    t.collector.begin(); // and another began meanwhile
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(t.state.collections).toBe(0);
+    t.collector.end();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('does not look while calls overlap, only once the last one ended', () => {
+    const t = setup();
+    t.collector.begin();
+    t.call(); // another call ends while the first runs
+    t.grow(2 * GROWTH_BYTES);
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(t.state.collections).toBe(0);
+    t.collector.end();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('waits for QUIET_MS after the last call, however the calls come', () => {
+    const t = setup();
+    t.grow(GROWTH_BYTES);
+    for (let i = 0; i < 5; i++) {
+      t.call();
+      vi.advanceTimersByTime(QUIET_MS / 2);
+    }
+    expect(t.state.collections).toBe(0);
+    vi.advanceTimersByTime(QUIET_MS / 2);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('collects at most once per MIN_INTERVAL_MS, and then as soon as it may', () => {
+    const t = setup();
+    t.grow(GROWTH_BYTES);
+    t.call();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(t.state.collections).toBe(1);
+    t.grow(GROWTH_BYTES);
+    t.call();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(t.state.collections).toBe(1);
+    vi.advanceTimersByTime(MIN_INTERVAL_MS - QUIET_MS - 1);
+    expect(t.state.collections).toBe(1);
+    vi.advanceTimersByTime(1);
+    expect(t.state.collections).toBe(2);
+  });
+
+  it('measures growth from what V8 kept when it gave pages back on its own meanwhile', () => {
+    let used = 40 * MiB;
+    let collections = 0;
+    const collector = new IdleCollector({
+      collect: () => {
+        collections++;
+      },
+      heapSize: () => used,
+      log,
+    });
+    used = 20 * MiB; // V8 gave back 20 MiB of what it held at the start
+    collector.begin();
+    collector.end();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(collections).toBe(0);
+    used = 20 * MiB + GROWTH_BYTES; // grown from there, though not from the start
+    collector.begin();
+    collector.end();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(collections).toBe(1);
+  });
+
+  it('collects once after the start, when no call came for QUIET_MS, however little it grew', () => {
+    const t = setup();
+    t.collector.start();
+    vi.advanceTimersByTime(QUIET_MS / 2);
+    t.call();
+    vi.advanceTimersByTime(QUIET_MS - 1);
+    expect(t.state.collections).toBe(0);
+    vi.advanceTimersByTime(1);
+    expect(t.state.collections).toBe(1);
+    t.call();
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('does nothing after stop', () => {
+    const t = setup();
+    t.grow(GROWTH_BYTES);
+    t.call();
+    t.collector.stop();
+    t.call();
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(t.state.collections).toBe(0);
+  });
+});
+
+describe("V8's own full collection, without --expose-gc", () => {
+  it('collects garbage promoted to the old generation and gives the pages back', () => {
+    // In a process of its own, as the driver runs (--max-semi-space-size=1).
+    const child = spawnSync(
+      process.execPath,
+      ['--max-semi-space-size=1', 'test/helpers/collect-probe.mjs', path.resolve('dist/idle-gc.js')],
+      { encoding: 'utf8', timeout: 30_000 },
+    );
+    expect(child.stderr).toBe('');
+    const r = JSON.parse(child.stdout) as {
+      garbage: number;
+      after: number;
+      rssBefore: number;
+      rssAfter: number;
+      exposed: string;
+    };
+    expect(r.garbage).toBeGreaterThan(40 * MiB);
+    expect(r.after).toBeLessThan(r.garbage - 32 * MiB);
+    expect(r.rssAfter).toBeLessThan(r.rssBefore - 16 * MiB);
+    // The driver's own context is left as it was: no global gc.
+    expect(r.exposed).toBe('undefined');
+  });
+});
