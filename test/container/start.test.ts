@@ -8,6 +8,7 @@ import { execFileSync, spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { describe, expect, it } from 'vitest';
+import { REPO } from '../helpers/driver.js';
 import { Cluster, docker, report } from './cluster.js';
 
 const top = process.env.LOOPVOL_CONTAINER_TOP ?? '';
@@ -133,5 +134,31 @@ describe.skipIf(!top || !image)('the image, started as the manifests start it', 
       path.join(out, 'e2e.env'),
       `LOOPVOL_E2E_ROOT=${cluster.root}\nLOOPVOL_E2E_ENDPOINTS=${endpoints}\n`,
     );
+  });
+
+  it("collects a burst's garbage and gives its pages back on the image's Node.js", async () => {
+    // src/idle-gc.ts: what the driver does once a burst of calls is over, run in the controller's
+    // container by the image's own Node.js (Node 26 keeps freed pages unless told to give them back).
+    const probe = await fs.readFile(path.join(REPO, 'test/helpers/collect-probe.mjs'), 'utf8');
+    const name = cluster.member('controller').name;
+    const r = JSON.parse(
+      await docker([
+        'exec',
+        name,
+        'node',
+        '--max-semi-space-size=1',
+        '--input-type=module',
+        '-e',
+        probe,
+        '/opt/loopvol/dist/idle-gc.js',
+      ]),
+    ) as { garbage: number; after: number; rssBefore: number; rssAfter: number };
+    const mib = (b: number): string => (b / 2 ** 20).toFixed(1);
+    await report(
+      "a full collection on the image's Node.js: heap in use, RSS (MiB)",
+      `${mib(r.garbage)} → ${mib(r.after)}, ${mib(r.rssBefore)} → ${mib(r.rssAfter)}`,
+    );
+    expect(r.after).toBeLessThan(r.garbage - 32 * 2 ** 20);
+    expect(r.rssAfter).toBeLessThan(r.rssBefore - 16 * 2 ** 20);
   });
 });
