@@ -8,14 +8,16 @@
  * the limit leaves its garbage, and the pages under it, for as long as the driver stays quiet: most of
  * a plugin's life. Measured after the end-to-end suite and csi-sanity: 48.5 MiB of heap in use where a
  * heap snapshot found 18.7 live, and in the image (Node 26) 68 MiB in use, 147 MiB of RSS. And where V8
- * did collect, Node 26 keeps the pages it grew into (35 MiB of heap for 24 in use, 110 MiB of RSS
- * against 87 at the start).
+ * did collect, Node 22 and later keep the freed pages for reuse (a plain full collection of 57 MiB of
+ * garbage on Node 26: RSS 109 → 94 MiB; with `last-resort`: 109 → 55).
  *
- * So: when the last call in flight has ended and none began for QUIET_MS, and the heap (the pages V8
- * holds for it) has grown by GROWTH_BYTES since the last collection here, the heap is collected in
- * full and compacted, and the free pages given back, at most once every MIN_INTERVAL_MS. Only CSI calls count as activity; a quiet driver is never collected again
- * until calls come back. A collection of the driver's heap takes a few tens of ms; a call arriving
- * meanwhile waits that long.
+ * So: when the last call in flight has ended and none began for QUIET_MS, and V8's count of the heap's
+ * size has grown by GROWTH_BYTES since the last collection here, the heap is collected in full and
+ * compacted, and the free pages given back, at most once every MIN_INTERVAL_MS; and once after the
+ * start. Only CSI calls count as activity: a quiet driver is not collected again until calls come back.
+ * The collection blocks the event loop: 30 ms for the driver's heap on Node 20, about 100 ms on Node 26,
+ * longer on a busy CPU. A call arriving meanwhile waits that long; no timer of the driver is near that
+ * (the fence heartbeat is 5 s, lock renewals 15 s).
  */
 import v8 from 'node:v8';
 import { runInNewContext } from 'node:vm';
@@ -32,26 +34,32 @@ export const MIN_INTERVAL_MS = 30_000;
 export interface CollectorDeps {
   /** A full collection that gives free pages back. */
   collect: () => void;
-  /** The heap's size: the pages V8 holds for it, in use or free. */
+  /** The heap's size as V8 counts it (its spaces' committed pages; not the free pages it pools). */
   heapSize: () => number;
   log: Logger;
-  now?: () => number;
 }
 
 /**
  * V8's own full collection, reached without starting Node with `--expose-gc`: the flag exposes `gc`
- * to contexts made after it is set, and not to the driver's own. With `last-resort`, V8 (Node 22 and
- * later) compacts and gives free pages back at once; a plain `gc()`, which older V8s (Node 20) need
- * because they take the options for an asynchronous request, collects in full and lets V8 unmap the
- * freed pages. Undefined when this Node.js refuses (the collector is then off).
+ * to contexts made after it is set (not to the driver's own). From V8 12 (Node 22) on, the
+ * `last-resort` flavor compacts and gives the free pages back at once; V8 11 (Node 20) ignores the
+ * options (the call does nothing), and its plain `gc()` collects in full, after which V8 unmaps the
+ * freed pages on a thread of its own. Measured on Node 20, 22, 24 and 26. Undefined when this Node.js
+ * refuses (the collector is then off).
  */
-export function v8FullCollection(): (() => void) | undefined {
+export function v8FullCollection(
+  v8Major = Number.parseInt(process.versions.v8, 10),
+): (() => void) | undefined {
   try {
     v8.setFlagsFromString('--expose-gc');
     const gc = runInNewContext('gc') as unknown;
     if (typeof gc !== 'function') return undefined;
+    if (v8Major >= 12) {
+      return () => {
+        (gc as (options: object) => void)({ type: 'major', execution: 'sync', flavor: 'last-resort' });
+      };
+    }
     return () => {
-      (gc as (options: object) => void)({ type: 'major', execution: 'sync', flavor: 'last-resort' });
       (gc as () => void)();
     };
   } catch {
@@ -61,7 +69,7 @@ export function v8FullCollection(): (() => void) | undefined {
 
 /** The heap in use, as V8 counts it. */
 export const heapUsed = (): number => v8.getHeapStatistics().used_heap_size;
-/** The heap's size, as V8 counts it: the pages it holds for the heap. */
+/** The heap's size, as V8 counts it: the pages committed to its spaces. */
 export const heapSize = (): number => v8.getHeapStatistics().total_heap_size;
 
 /** Counts calls in and out (`begin`, `end`) and collects the heap once they stop, as above. */
@@ -73,33 +81,32 @@ export class IdleCollector {
   private baseline: number;
   private timer: NodeJS.Timeout | undefined;
   private stopped = false;
-  private readonly now: () => number;
 
   constructor(private readonly deps: CollectorDeps) {
-    this.now = deps.now ?? Date.now;
-    this.lastActivity = this.now();
+    this.lastActivity = performance.now();
     this.baseline = deps.heapSize();
   }
 
   /**
    * Once the driver serves: the start's own garbage (the proto's coders, the pool's opening) is
-   * collected like a burst's, once no call came for QUIET_MS. Measured idle on Node 26 (the image's):
+   * collected like a burst's, once no call came for QUIET_MS; the whole heap at the start counts as
+   * growth (the driver's is 18 MiB and more). Measured idle on Node 26 (the image's):
    * 83.6–86.2 MiB of RSS against 87.2–90.2 without (four starts each); on Node 20 no difference.
    */
   start(): void {
     this.baseline = 0;
-    this.lastActivity = this.now();
+    this.lastActivity = performance.now();
     this.schedule(QUIET_MS);
   }
 
   begin(): void {
     this.active++;
-    this.lastActivity = this.now();
+    this.lastActivity = performance.now();
   }
 
   end(): void {
-    this.active--;
-    this.lastActivity = this.now();
+    this.active = Math.max(0, this.active - 1);
+    this.lastActivity = performance.now();
     if (this.active === 0) this.schedule(QUIET_MS);
   }
 
@@ -121,12 +128,12 @@ export class IdleCollector {
   /** Collects when quiet, grown and not too soon; otherwise waits as long as it must, or for calls. */
   private check(): void {
     if (this.active > 0 || this.stopped) return; // the last call's end schedules the next look
-    const now = this.now();
+    const now = performance.now();
     const quiet = now - this.lastActivity;
     const since = now - this.lastCollection;
     const wait = Math.max(QUIET_MS - quiet, MIN_INTERVAL_MS - since);
     if (wait > 0) {
-      this.schedule(wait);
+      this.schedule(Math.min(wait, MIN_INTERVAL_MS));
       return;
     }
     const size = this.deps.heapSize();
@@ -135,8 +142,15 @@ export class IdleCollector {
     if (size - this.baseline < GROWTH_BYTES) return;
     const used = heapUsed();
     const t0 = performance.now();
-    this.deps.collect();
-    this.lastCollection = this.now();
+    try {
+      this.deps.collect();
+    } catch (err) {
+      // A way to save memory must never take the driver down: without it, V8 collects as it would.
+      this.deps.log.warn({ err }, 'could not collect the heap; not trying again');
+      this.stop();
+      return;
+    }
+    this.lastCollection = performance.now();
     this.baseline = this.deps.heapSize();
     const mib = (bytes: number): number => +(bytes / 2 ** 20).toFixed(1);
     this.deps.log.debug(

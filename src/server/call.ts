@@ -211,7 +211,7 @@ export function unaryHandler<Req, Res>(
     deps.tracker?.begin();
     deps.observer?.begin?.(service, name);
     let release: (() => void) | undefined;
-    const finish = (err: unknown, response?: Res): void => {
+    const answer = (err: unknown, response?: Res): void => {
       done = true;
       release?.();
       const seconds = (performance.now() - started) / 1000;
@@ -231,7 +231,14 @@ export function unaryHandler<Req, Res>(
         );
         callback({ ...status, message: status.details });
       }
-      deps.tracker?.end();
+    };
+    /** The answer, and the call counted out whatever happens while answering. */
+    const finish = (err: unknown, response?: Res): void => {
+      try {
+        answer(err, response);
+      } finally {
+        deps.tracker?.end();
+      }
     };
     try {
       if (!impl) throw unimplemented(`${fullName} is not implemented by this driver.`);

@@ -116,7 +116,7 @@ export function streamingHandler<Req, Res>(
     };
     deps.tracker?.begin();
     let messages = 0;
-    const finish = (err: unknown): void => {
+    const answer = (err: unknown): void => {
       const seconds = (performance.now() - started) / 1000;
       const ms = Math.round(seconds * 1000);
       const late = controller.signal.aborted || Date.now() > deadline ? { late: true } : {};
@@ -136,7 +136,14 @@ export function streamingHandler<Req, Res>(
         // After the last message sent, a non-OK status tells the client the stream was cut short.
         if (!call.cancelled) call.emit('error', { code: status.code, details: status.details });
       }
-      deps.tracker?.end();
+    };
+    /** The answer, and the call counted out whatever happens while answering. */
+    const finish = (err: unknown): void => {
+      try {
+        answer(err);
+      } finally {
+        deps.tracker?.end();
+      }
     };
     const serve = async (): Promise<void> => {
       if (!impl) throw unimplemented(`${fullName} is not implemented by this driver.`);

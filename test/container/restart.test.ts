@@ -17,6 +17,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js';
+import { MIN_INTERVAL_MS, QUIET_MS } from '../../src/idle-gc.js';
 import { codeOf, type CsiClients } from '../helpers/grpc.js';
 import { isMounted, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
 import { Cluster, docker, report } from './cluster.js';
@@ -196,11 +197,13 @@ describe.skipIf(!top)('node-1 restarted as a DaemonSet rollout restarts it', () 
     const rss = async (name: string) => +((await cluster.rss(name)) / 2 ** 20).toFixed(1);
     const atOnce = new Map<string, number>();
     for (const m of cluster.members) atOnce.set(m.role, await rss(m.name));
-    // Once calls stop, the driver collects what the burst left (src/idle-gc.ts, QUIET_MS = 2 s).
-    await new Promise((r) => setTimeout(r, 5000));
+    // Once calls stop, the driver collects what the burst left (src/idle-gc.ts): after QUIET_MS, and
+    // no sooner than MIN_INTERVAL_MS after its last collection, which may have come during the suite.
+    const quiet = MIN_INTERVAL_MS + QUIET_MS + 1000;
+    await new Promise((r) => setTimeout(r, quiet));
     for (const m of cluster.members) {
       await report(
-        `${m.role}: driver RSS after the suite and csi-sanity, at once → 5 s quiet (MiB)`,
+        `${m.role}: driver RSS after the suite and csi-sanity, at once → after ${quiet / 1000} s quiet (MiB)`,
         `${atOnce.get(m.role)} → ${await rss(m.name)}`,
       );
       // --metrics-address as the manifest sets it, reached on the pod's (container's) own address.

@@ -23,7 +23,6 @@ function setup(live = 20 * MiB) {
     },
     heapSize: () => used,
     log,
-    now: () => Date.now(),
   });
   return {
     collector,
@@ -41,7 +40,7 @@ function setup(live = 20 * MiB) {
 
 describe('when the heap is collected', () => {
   beforeEach(() => {
-    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'Date'] });
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout', 'performance'] });
   });
   afterEach(() => {
     vi.useRealTimers();
@@ -143,7 +142,7 @@ describe('when the heap is collected', () => {
     expect(collections).toBe(1);
   });
 
-  it('collects once after the start, when no call came for QUIET_MS, however little it grew', () => {
+  it('collects once after the start, when no call came for QUIET_MS: the start counts as growth', () => {
     const t = setup();
     t.collector.start();
     vi.advanceTimersByTime(QUIET_MS / 2);
@@ -155,6 +154,49 @@ describe('when the heap is collected', () => {
     t.call();
     vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
     expect(t.state.collections).toBe(1);
+  });
+
+  it('counts quiet from the end of the last call, also when a look was already due', () => {
+    const t = setup();
+    t.grow(GROWTH_BYTES);
+    t.call(); // a look is due at QUIET_MS
+    vi.advanceTimersByTime(100);
+    t.collector.begin();
+    vi.advanceTimersByTime(QUIET_MS - 200);
+    t.collector.end(); // at QUIET_MS - 100: quiet counts from here
+    vi.advanceTimersByTime(QUIET_MS - 1);
+    expect(t.state.collections).toBe(0);
+    vi.advanceTimersByTime(1);
+    expect(t.state.collections).toBe(1);
+  });
+
+  it('stops for good, and says so, when a collection throws', () => {
+    const warnings: string[] = [];
+    const warnLog = pino(
+      { level: 'warn' },
+      {
+        write: (line: string) => {
+          warnings.push((JSON.parse(line) as { msg: string }).msg);
+        },
+      },
+    );
+    let tries = 0;
+    const collector = new IdleCollector({
+      collect: () => {
+        tries++;
+        throw new Error('no');
+      },
+      heapSize: () => 64 * MiB,
+      log: warnLog,
+    });
+    collector.start();
+    vi.advanceTimersByTime(QUIET_MS);
+    expect(tries).toBe(1);
+    expect(warnings).toEqual(['could not collect the heap; not trying again']);
+    collector.begin();
+    collector.end();
+    vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
+    expect(tries).toBe(1);
   });
 
   it('does nothing after stop', () => {
@@ -176,7 +218,7 @@ describe("V8's own full collection, without --expose-gc", () => {
       ['--max-semi-space-size=1', 'test/helpers/collect-probe.mjs', path.resolve('dist/idle-gc.js')],
       { encoding: 'utf8', timeout: 30_000 },
     );
-    expect(child.stderr).toBe('');
+    expect(child.status, child.stderr).toBe(0);
     const r = JSON.parse(child.stdout) as {
       garbage: number;
       after: number;
