@@ -15,9 +15,10 @@
  * size has grown by GROWTH_BYTES since the last collection here, the heap is collected in full and
  * compacted, and the free pages given back, at most once every MIN_INTERVAL_MS; and once after the
  * start. Only CSI calls count as activity: a quiet driver is not collected again until calls come back.
- * The collection blocks the event loop: 30 ms for the driver's heap on Node 20, about 100 ms on Node 26,
- * longer on a busy CPU. A call arriving meanwhile waits that long; no timer of the driver is near that
- * (the fence heartbeat is 5 s, lock renewals 15 s).
+ * The collection blocks the event loop: for the driver's heap after its start, 26 ms on Node 20 and
+ * 56 ms on Node 26 on an idle machine here; 77–114 ms on Node 26 in other runs, over 200 ms with both
+ * CPUs busy. A call arriving meanwhile waits that long; no timer of the driver is near that (the fence
+ * heartbeat is 5 s, lock renewals 15 s).
  */
 import v8 from 'node:v8';
 import { runInNewContext } from 'node:vm';
