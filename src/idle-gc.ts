@@ -8,13 +8,13 @@
  * the limit leaves its garbage, and the pages under it, for as long as the driver stays quiet: most of
  * a plugin's life. Measured after the end-to-end suite and csi-sanity: 48.5 MiB of heap in use where a
  * heap snapshot found 18.7 live, and in the image (Node 26) 68 MiB in use, 147 MiB of RSS. And where V8
- * did collect, Node 22 and later keep the freed pages for reuse (a plain full collection of 57 MiB of
- * garbage on Node 26: RSS 109 → 94 MiB; with `last-resort`: 109 → 55).
+ * did collect, Node 22 and later keep most freed pages for reuse (a plain full collection of 57 MiB of
+ * garbage on Node 26 gave 3–15 MiB of RSS back, depending on the objects; with `last-resort`, 54).
  *
  * So: when the last call in flight has ended and none began for QUIET_MS, and V8's count of the heap's
- * size has grown by GROWTH_BYTES since the last collection here, the heap is collected in full and
- * compacted, and the free pages given back, at most once every MIN_INTERVAL_MS; and once after the
- * start. Only CSI calls count as activity: a quiet driver is not collected again until calls come back.
+ * size has grown by GROWTH_BYTES since the last collection here, the heap is collected in full and the
+ * free pages given back (compacted first from V8 12 on), at most once every MIN_INTERVAL_MS; and once
+ * after the start. Only CSI calls count as activity: a quiet driver is not collected again until calls come back.
  * The collection blocks the event loop: for the driver's heap after its start, 26 ms on Node 20 and
  * 56 ms on Node 26 on an idle machine here; 77–114 ms on Node 26 in other runs, over 200 ms with both
  * CPUs busy. A call arriving meanwhile waits that long; no timer of the driver is near that (the fence
@@ -43,8 +43,8 @@ export interface CollectorDeps {
 /**
  * V8's own full collection, reached without starting Node with `--expose-gc`: the flag exposes `gc`
  * to contexts made after it is set (not to the driver's own). From V8 12 (Node 22) on, the
- * `last-resort` flavor compacts and gives the free pages back at once; V8 11 (Node 20) ignores the
- * options (the call does nothing), and its plain `gc()` collects in full, after which V8 unmaps the
+ * `last-resort` flavor compacts and gives the free pages back at once; V8 11 (Node 20) does no full
+ * collection when given any options object, and its plain `gc()` collects in full, after which V8 unmaps the
  * freed pages on a thread of its own. Measured on Node 20, 22, 24 and 26. Undefined when this Node.js
  * refuses (the collector is then off).
  */
@@ -92,7 +92,7 @@ export class IdleCollector {
    * Once the driver serves: the start's own garbage (the proto's coders, the pool's opening) is
    * collected like a burst's, once no call came for QUIET_MS; the whole heap at the start counts as
    * growth (the driver's is 18 MiB and more). Measured idle on Node 26 (the image's):
-   * 83.6–86.2 MiB of RSS against 87.2–90.2 without (four starts each); on Node 20 no difference.
+   * 82.9–85.4 MiB of RSS against 87.0–89.5 without (four starts each); on Node 20 no difference.
    */
   start(): void {
     this.baseline = 0;
@@ -106,9 +106,9 @@ export class IdleCollector {
   }
 
   end(): void {
-    this.active = Math.max(0, this.active - 1);
+    this.active--;
     this.lastActivity = performance.now();
-    if (this.active === 0) this.schedule(QUIET_MS);
+    if (this.active <= 0) this.schedule(QUIET_MS);
   }
 
   stop(): void {
@@ -134,7 +134,7 @@ export class IdleCollector {
     const since = now - this.lastCollection;
     const wait = Math.max(QUIET_MS - quiet, MIN_INTERVAL_MS - since);
     if (wait > 0) {
-      this.schedule(Math.min(wait, MIN_INTERVAL_MS));
+      this.schedule(wait);
       return;
     }
     const size = this.deps.heapSize();

@@ -232,10 +232,16 @@ export function unaryHandler<Req, Res>(
         callback({ ...status, message: status.details });
       }
     };
-    /** The answer, and the call counted out whatever happens while answering. */
+    /**
+     * The answer, and the call counted out whatever happens while answering. A failure to answer (the
+     * metrics, the transport) is logged: thrown from here it would be an unhandled rejection, which
+     * ends the process.
+     */
     const finish = (err: unknown, response?: Res): void => {
       try {
         answer(err, response);
+      } catch (failure) {
+        callLog().error({ err: failure }, 'could not answer the call');
       } finally {
         deps.tracker?.end();
       }

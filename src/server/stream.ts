@@ -137,10 +137,16 @@ export function streamingHandler<Req, Res>(
         if (!call.cancelled) call.emit('error', { code: status.code, details: status.details });
       }
     };
-    /** The answer, and the call counted out whatever happens while answering. */
+    /**
+     * The answer, and the call counted out whatever happens while answering. A failure to answer (the
+     * metrics, the transport) is logged: thrown from here it would be an unhandled rejection, which
+     * ends the process.
+     */
     const finish = (err: unknown): void => {
       try {
         answer(err);
+      } catch (failure) {
+        log.error({ err: failure }, 'could not answer the call');
       } finally {
         deps.tracker?.end();
       }

@@ -129,6 +129,52 @@ describe('the per-call wrapper', () => {
   });
 });
 
+describe('counting calls in and out', () => {
+  it('counts every call out once, also one whose answering throws (logged, not thrown)', async () => {
+    const counts = { begin: 0, end: 0 };
+    const def = csiProto().csi.v1.Controller.service;
+    const s = await serveInProcess('count', (server, deps) => {
+      server.addService(
+        def,
+        buildService<ControllerHandlers>(
+          'Controller',
+          def,
+          {
+            DeleteVolume: method({ validate: () => null, run: () => Promise.resolve({}) }),
+            ControllerGetVolume: method({
+              validate: () => null,
+              run: () => Promise.reject(notFound('Volume v does not exist.')),
+            }),
+          },
+          {
+            ...deps,
+            tracker: {
+              begin: () => counts.begin++,
+              end: () => counts.end++,
+            },
+            observer: {
+              observe: (_service, method) => {
+                if (method === 'ControllerGetVolume') throw new Error('metrics broke');
+              },
+            },
+          },
+        ),
+      );
+    });
+    const clients = csiClients(s.url);
+    expect(await codeOf(clients.controller.DeleteVolume({ volume_id: 'v' }))).toBe('OK');
+    expect(await codeOf(clients.controller.CreateVolume({ name: 'x' }))).toBe('UNIMPLEMENTED');
+    // Answering throws before the answer: the caller sees its deadline, the driver lives on.
+    expect(await codeOf(clients.controller.ControllerGetVolume({ volume_id: 'v' }, { timeoutMs: 500 }))).toBe(
+      'DEADLINE_EXCEEDED',
+    );
+    expect(counts).toEqual({ begin: 3, end: 3 });
+    expect(s.lines.filter((l) => l.msg === 'could not answer the call')).toHaveLength(1);
+    clients.close();
+    await stop(s.server, s.endpoint, 1000, s.log);
+  });
+});
+
 describe('stop', () => {
   it('refuses new calls, lets a call in flight finish, and removes the socket', async () => {
     let finished = false;

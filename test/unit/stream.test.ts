@@ -19,7 +19,7 @@ import type { Range } from '../../src/pool/extents.js';
 import { csiProto } from '../../src/server/proto.js';
 import { stop } from '../../src/server/server.js';
 import { buildStreamingService, streamMethod, type StreamMethods } from '../../src/server/stream.js';
-import { allocated, metadataClient } from '../helpers/metadata.js';
+import { allocated, collect as collectStream, metadataClient } from '../helpers/metadata.js';
 import { removeServeDirs, serveInProcess } from '../helpers/serve.js';
 
 afterAll(removeServeDirs);
@@ -170,6 +170,53 @@ describe('the streaming wrapper', () => {
       expect(JSON.stringify(s.lines)).not.toContain('sekrit');
     } finally {
       await s.close();
+    }
+  });
+
+  it('counts every call out once, also one whose answering throws (logged, not thrown)', async () => {
+    const counts = { begin: 0, end: 0 };
+    const def = csiProto().csi.v1.SnapshotMetadata.service;
+    let observed = 0;
+    const served = await serveInProcess('stream-count', (server, deps) => {
+      server.addService(
+        def,
+        buildStreamingService<SnapshotMetadataHandlers>(
+          'SnapshotMetadata',
+          def,
+          {
+            GetMetadataAllocated: streamMethod({
+              validate: () => null,
+              run: async function* () {
+                await Promise.resolve();
+                yield msg(1);
+              },
+            }),
+          },
+          {
+            ...deps,
+            tracker: { begin: () => counts.begin++, end: () => counts.end++ },
+            observer: {
+              observe: () => {
+                if (observed++ === 1) throw new Error('metrics broke');
+              },
+            },
+          },
+        ),
+      );
+    });
+    const client = metadataClient(served.url);
+    try {
+      expect((await allocated(client, { snapshot_id: 'a' })).code).toBe('OK');
+      // Answering throws before the stream's end: the caller sees its deadline, the driver lives on.
+      const cut = await collectStream(
+        client.GetMetadataAllocated({ snapshot_id: 'b' }, { deadline: new Date(Date.now() + 500) }),
+      );
+      expect(cut.code).toBe('DEADLINE_EXCEEDED');
+      expect(counts).toEqual({ begin: 2, end: 2 });
+      expect(served.lines.filter((l) => l.msg === 'could not answer the call')).toHaveLength(1);
+    } finally {
+      client.close();
+      await stop(served.server, served.endpoint, 1000, served.log);
     }
   });
 
