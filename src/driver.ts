@@ -126,7 +126,9 @@ export async function startDriver(
   if (serving) report(serving.pool);
   let active = 0;
   const collect = v8FullCollection();
-  const collector = collect ? new IdleCollector({ collect, heapSize, log }) : undefined;
+  const collector = collect
+    ? new IdleCollector({ collect, heapSize, inFlight: () => active, log })
+    : undefined;
   const deps: CallDeps = {
     log,
     runner,
@@ -135,11 +137,10 @@ export async function startDriver(
     tracker: {
       begin: () => {
         active++;
-        collector?.begin();
       },
       end: () => {
         active--;
-        collector?.end();
+        collector?.callEnded();
       },
     },
   };

@@ -11,7 +11,7 @@
  * did collect, Node 22 and later keep most freed pages for reuse (a plain full collection of 57 MiB of
  * garbage on Node 26 gave 3–15 MiB of RSS back, depending on the objects; with `last-resort`, 54).
  *
- * So: when the last call in flight has ended and none began for QUIET_MS, and V8's count of the heap's
+ * So: when no call is in flight and none ended for QUIET_MS, and V8's count of the heap's
  * size has grown by GROWTH_BYTES since the last collection here, the heap is collected in full and the
  * free pages given back (compacted first from V8 12 on), at most once every MIN_INTERVAL_MS; and once
  * after the start. Only CSI calls count as activity: a quiet driver is not collected again until calls come back.
@@ -37,6 +37,8 @@ export interface CollectorDeps {
   collect: () => void;
   /** The heap's size as V8 counts it (its spaces' committed pages; not the free pages it pools). */
   heapSize: () => number;
+  /** Calls in flight, as the driver counts them. */
+  inFlight: () => number;
   log: Logger;
 }
 
@@ -73,10 +75,12 @@ export const heapUsed = (): number => v8.getHeapStatistics().used_heap_size;
 /** The heap's size, as V8 counts it: the pages committed to its spaces. */
 export const heapSize = (): number => v8.getHeapStatistics().total_heap_size;
 
-/** Counts calls in and out (`begin`, `end`) and collects the heap once they stop, as above. */
+/**
+ * Told when a call ends, and collects the heap once calls stop, as above. Quiet is counted from the
+ * last end: a call that began meanwhile is still in flight when the collector looks, or ended later.
+ */
 export class IdleCollector {
-  private active = 0;
-  private lastActivity: number;
+  private lastEnd: number;
   private lastCollection = Number.NEGATIVE_INFINITY;
   /** The heap's size after the last collection (or at the start): growth is measured from here. */
   private baseline: number;
@@ -84,7 +88,7 @@ export class IdleCollector {
   private stopped = false;
 
   constructor(private readonly deps: CollectorDeps) {
-    this.lastActivity = performance.now();
+    this.lastEnd = performance.now();
     this.baseline = deps.heapSize();
   }
 
@@ -96,19 +100,14 @@ export class IdleCollector {
    */
   start(): void {
     this.baseline = 0;
-    this.lastActivity = performance.now();
+    this.lastEnd = performance.now();
     this.schedule(QUIET_MS);
   }
 
-  begin(): void {
-    this.active++;
-    this.lastActivity = performance.now();
-  }
-
-  end(): void {
-    this.active--;
-    this.lastActivity = performance.now();
-    if (this.active <= 0) this.schedule(QUIET_MS);
+  /** A call ended: once none is in flight, the next look is QUIET_MS away. */
+  callEnded(): void {
+    this.lastEnd = performance.now();
+    if (this.deps.inFlight() <= 0) this.schedule(QUIET_MS);
   }
 
   stop(): void {
@@ -128,9 +127,9 @@ export class IdleCollector {
 
   /** Collects when quiet, grown and not too soon; otherwise waits as long as it must, or for calls. */
   private check(): void {
-    if (this.active > 0 || this.stopped) return; // the last call's end schedules the next look
+    if (this.deps.inFlight() > 0 || this.stopped) return; // the last call's end schedules the next look
     const now = performance.now();
-    const quiet = now - this.lastActivity;
+    const quiet = now - this.lastEnd;
     const since = now - this.lastCollection;
     const wait = Math.max(QUIET_MS - quiet, MIN_INTERVAL_MS - since);
     if (wait > 0) {

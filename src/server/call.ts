@@ -67,6 +67,21 @@ export interface CallDeps {
   tracker?: { begin(): void; end(): void };
 }
 
+/**
+ * Answers a call (unary or streaming) and counts it out, whatever happens while answering. A failure to
+ * answer (the metrics, the transport) is logged: thrown from here it would be an unhandled rejection,
+ * which ends the process.
+ */
+export function answerCountingOut(answer: () => void, log: () => Logger, tracker: CallDeps['tracker']): void {
+  try {
+    answer();
+  } catch (failure) {
+    log().error({ err: failure }, 'could not answer the call');
+  } finally {
+    tracker?.end();
+  }
+}
+
 type UnaryHandler<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
 const REQUEST_ID_PREFIX = randomBytes(4).toString('hex');
@@ -232,19 +247,14 @@ export function unaryHandler<Req, Res>(
         callback({ ...status, message: status.details });
       }
     };
-    /**
-     * The answer, and the call counted out whatever happens while answering. A failure to answer (the
-     * metrics, the transport) is logged: thrown from here it would be an unhandled rejection, which
-     * ends the process.
-     */
     const finish = (err: unknown, response?: Res): void => {
-      try {
-        answer(err, response);
-      } catch (failure) {
-        callLog().error({ err: failure }, 'could not answer the call');
-      } finally {
-        deps.tracker?.end();
-      }
+      answerCountingOut(
+        () => {
+          answer(err, response);
+        },
+        callLog,
+        deps.tracker,
+      );
     };
     try {
       if (!impl) throw unimplemented(`${fullName} is not implemented by this driver.`);

@@ -15,6 +15,7 @@ import type * as grpc from '@grpc/grpc-js';
 import { aborted, unimplemented } from '../errors.js';
 import { CallStopped } from '../exec/runner.js';
 import {
+  answerCountingOut,
   type CallContext,
   type CallDeps,
   deadlineOf,
@@ -137,19 +138,14 @@ export function streamingHandler<Req, Res>(
         if (!call.cancelled) call.emit('error', { code: status.code, details: status.details });
       }
     };
-    /**
-     * The answer, and the call counted out whatever happens while answering. A failure to answer (the
-     * metrics, the transport) is logged: thrown from here it would be an unhandled rejection, which
-     * ends the process.
-     */
     const finish = (err: unknown): void => {
-      try {
-        answer(err);
-      } catch (failure) {
-        log.error({ err: failure }, 'could not answer the call');
-      } finally {
-        deps.tracker?.end();
-      }
+      answerCountingOut(
+        () => {
+          answer(err);
+        },
+        () => log,
+        deps.tracker,
+      );
     };
     const serve = async (): Promise<void> => {
       if (!impl) throw unimplemented(`${fullName} is not implemented by this driver.`);

@@ -1,6 +1,6 @@
 /**
- * The heap collected once calls stop (src/idle-gc.ts): when, and only when, the last call has ended,
- * none began for QUIET_MS, the heap's size grew by GROWTH_BYTES and the last collection is MIN_INTERVAL_MS
+ * The heap collected once calls stop (src/idle-gc.ts): when, and only when, no call is in flight,
+ * none ended for QUIET_MS, the heap's size grew by GROWTH_BYTES and the last collection is MIN_INTERVAL_MS
  * old; and V8's own collection, reached without --expose-gc, really collects (in a process of its own).
  */
 import { spawnSync } from 'node:child_process';
@@ -12,30 +12,48 @@ import { GROWTH_BYTES, IdleCollector, MIN_INTERVAL_MS, QUIET_MS } from '../../sr
 const log = pino({ level: 'silent' });
 const MiB = 2 ** 20;
 
-/** A collector over a heap the test sets, counting collections; a collection drops the heap to `live`. */
-function setup(live = 20 * MiB) {
-  let used = live;
+/**
+ * A collector over a heap the test sets and calls the test counts in and out. A collection drops the
+ * heap to `live`, or does what `collect` says.
+ */
+function setup(opts: { live?: number; collect?: () => void; log?: typeof log } = {}) {
+  const live = opts.live ?? 20 * MiB;
+  let heap = live;
+  let inFlight = 0;
   const state = { collections: 0 };
   const collector = new IdleCollector({
     collect: () => {
       state.collections++;
-      used = live;
+      opts.collect?.();
+      heap = live;
     },
-    heapSize: () => used,
-    log,
+    heapSize: () => heap,
+    inFlight: () => inFlight,
+    log: opts.log ?? log,
   });
-  return {
+  const t = {
     collector,
     state,
     grow: (bytes: number) => {
-      used += bytes;
+      heap += bytes;
+    },
+    setHeap: (bytes: number) => {
+      heap = bytes;
+    },
+    begin: () => {
+      inFlight++;
+    },
+    end: () => {
+      inFlight--;
+      collector.callEnded();
     },
     /** One call, begun and ended now. */
     call: () => {
-      collector.begin();
-      collector.end();
+      t.begin();
+      t.end();
     },
   };
+  return t;
 }
 
 describe('when the heap is collected', () => {
@@ -48,9 +66,9 @@ describe('when the heap is collected', () => {
 
   it('collects once the last call ended and QUIET_MS passed, when the heap grew enough', () => {
     const t = setup();
-    t.collector.begin();
+    t.begin();
     t.grow(GROWTH_BYTES);
-    t.collector.end();
+    t.end();
     vi.advanceTimersByTime(QUIET_MS - 1);
     expect(t.state.collections).toBe(0);
     vi.advanceTimersByTime(1);
@@ -72,22 +90,22 @@ describe('when the heap is collected', () => {
     const t = setup();
     t.grow(2 * GROWTH_BYTES);
     t.call(); // the last call ended: a look is due in QUIET_MS
-    t.collector.begin(); // and another began meanwhile
+    t.begin(); // and another began meanwhile
     vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
     expect(t.state.collections).toBe(0);
-    t.collector.end();
+    t.end();
     vi.advanceTimersByTime(QUIET_MS);
     expect(t.state.collections).toBe(1);
   });
 
   it('does not look while calls overlap, only once the last one ended', () => {
     const t = setup();
-    t.collector.begin();
+    t.begin();
     t.call(); // another call ends while the first runs
     t.grow(2 * GROWTH_BYTES);
     vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
     expect(t.state.collections).toBe(0);
-    t.collector.end();
+    t.end();
     vi.advanceTimersByTime(QUIET_MS);
     expect(t.state.collections).toBe(1);
   });
@@ -121,25 +139,15 @@ describe('when the heap is collected', () => {
   });
 
   it('measures growth from what V8 kept when it gave pages back on its own meanwhile', () => {
-    let used = 40 * MiB;
-    let collections = 0;
-    const collector = new IdleCollector({
-      collect: () => {
-        collections++;
-      },
-      heapSize: () => used,
-      log,
-    });
-    used = 20 * MiB; // V8 gave back 20 MiB of what it held at the start
-    collector.begin();
-    collector.end();
+    const t = setup({ live: 40 * MiB });
+    t.setHeap(20 * MiB); // V8 gave back 20 MiB of what it held at the start
+    t.call();
     vi.advanceTimersByTime(QUIET_MS);
-    expect(collections).toBe(0);
-    used = 20 * MiB + GROWTH_BYTES; // grown from there, though not from the start
-    collector.begin();
-    collector.end();
+    expect(t.state.collections).toBe(0);
+    t.setHeap(20 * MiB + GROWTH_BYTES); // grown from there, though not from the start
+    t.call();
     vi.advanceTimersByTime(QUIET_MS);
-    expect(collections).toBe(1);
+    expect(t.state.collections).toBe(1);
   });
 
   it('collects once after the start, when no call came for QUIET_MS: the start counts as growth', () => {
@@ -161,9 +169,9 @@ describe('when the heap is collected', () => {
     t.grow(GROWTH_BYTES);
     t.call(); // a look is due at QUIET_MS
     vi.advanceTimersByTime(100);
-    t.collector.begin();
+    t.begin();
     vi.advanceTimersByTime(QUIET_MS - 200);
-    t.collector.end(); // at QUIET_MS - 100: quiet counts from here
+    t.end(); // at QUIET_MS - 100: quiet counts from here
     vi.advanceTimersByTime(QUIET_MS - 1);
     expect(t.state.collections).toBe(0);
     vi.advanceTimersByTime(1);
@@ -180,23 +188,20 @@ describe('when the heap is collected', () => {
         },
       },
     );
-    let tries = 0;
-    const collector = new IdleCollector({
+    const t = setup({
+      log: warnLog,
       collect: () => {
-        tries++;
         throw new Error('no');
       },
-      heapSize: () => 64 * MiB,
-      log: warnLog,
     });
-    collector.start();
+    t.collector.start();
     vi.advanceTimersByTime(QUIET_MS);
-    expect(tries).toBe(1);
+    expect(t.state.collections).toBe(1);
     expect(warnings).toEqual(['could not collect the heap; not trying again']);
-    collector.begin();
-    collector.end();
+    t.grow(2 * GROWTH_BYTES);
+    t.call();
     vi.advanceTimersByTime(10 * MIN_INTERVAL_MS);
-    expect(tries).toBe(1);
+    expect(t.state.collections).toBe(1);
   });
 
   it('does nothing after stop', () => {
