@@ -78,17 +78,21 @@ function stopper(proc) {
 
 /** The Node flags the driver runs with where it is deployed: `npm start` and the image's entrypoint. */
 export const DEPLOYED_NODE_ARGS = ['--max-semi-space-size=1'];
+/** The environment the image and `npm start` give the driver (Dockerfile): one glibc malloc arena. */
+export const DEPLOYED_ENV = { MALLOC_ARENA_MAX: '1' };
 
 /**
  * The real driver (dist/main.js), in a process of its own, serving a pool in `dir`/pool. With
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
  * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
+ * `nodeArgs` and `env` (added to this process's): the Node flags and environment it runs with, by
+ * default as deployed.
  */
 export async function startDriver(
   dir,
   extra = [],
   nodeArgs = DEPLOYED_NODE_ARGS,
-  { logs = false, repo = REPO } = {},
+  { logs = false, repo = REPO, env = DEPLOYED_ENV } = {},
 ) {
   const socket = path.join(dir, `csi-${Math.random().toString(36).slice(2)}.sock`);
   const proc = spawn(
@@ -103,7 +107,7 @@ export async function startDriver(
       '--max-volumes-per-node=100000',
       ...extra,
     ],
-    { stdio: ['ignore', logs ? 'pipe' : 'ignore', 'inherit'] },
+    { stdio: ['ignore', logs ? 'pipe' : 'ignore', 'inherit'], env: { ...process.env, ...env } },
   );
   const lines = [];
   if (logs) {
@@ -132,10 +136,10 @@ export async function startDriver(
 }
 
 /** A CSI server other than loopvol, started on a socket of its own under `dir`: `argv(socket)` runs it. */
-async function startServer(dir, prefix, argv) {
+async function startServer(dir, prefix, argv, env = {}) {
   const socket = path.join(dir, `${prefix}-${Math.random().toString(36).slice(2)}.sock`);
   const [cmd, ...args] = argv(socket);
-  const proc = spawn(cmd, args, { stdio: ['ignore', 'ignore', 'inherit'] });
+  const proc = spawn(cmd, args, { stdio: ['ignore', 'ignore', 'inherit'], env: { ...process.env, ...env } });
   const failed = new Promise((_, reject) => proc.once('error', reject));
   failed.catch(() => {}); // an error after it serves is the stop's business
   const c = client(`unix://${socket}`);
@@ -159,13 +163,18 @@ async function startServer(dir, prefix, argv) {
 }
 
 /** The floor of a call: bench/bare-server.mjs, constant answers on the same proto. */
-export function startBare(dir, nodeArgs = DEPLOYED_NODE_ARGS) {
-  return startServer(dir, 'bare', (socket) => [
-    process.execPath,
-    ...nodeArgs,
-    path.join(REPO, 'bench', 'bare-server.mjs'),
-    `unix://${socket}`,
-  ]);
+export function startBare(dir, nodeArgs = DEPLOYED_NODE_ARGS, env = DEPLOYED_ENV) {
+  return startServer(
+    dir,
+    'bare',
+    (socket) => [
+      process.execPath,
+      ...nodeArgs,
+      path.join(REPO, 'bench', 'bare-server.mjs'),
+      `unix://${socket}`,
+    ],
+    env,
+  );
 }
 
 /**

@@ -121,6 +121,9 @@ describe.skipIf(!top || !image)('the image, started as the manifests start it', 
     await new Promise((r) => setTimeout(r, 5000));
     for (const m of cluster.members) {
       await report(`${m.role}: driver RSS idle (MiB)`, +((await cluster.rss(m.name)) / 2 ** 20).toFixed(1));
+      // The image's environment reaches the driver: one malloc arena (the Dockerfile's ENV).
+      const environ = await fs.readFile(`/proc/${await cluster.hostPid(m.name)}/environ`, 'utf8');
+      expect(environ.split('\0')).toContain('MALLOC_ARENA_MAX=1');
     }
     // What the image's Node.js holds for grpc-js alone: the driver's idle RSS is read against this.
     await report(

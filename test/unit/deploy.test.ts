@@ -818,6 +818,8 @@ describe('the Dockerfile', () => {
     expect(text).not.toMatch(/^(COPY|ADD)\b.*\.(pem|crt)\b/m);
     expect(text).toMatch(/npm prune --omit=dev/);
     expect(text).toMatch(/ENTRYPOINT \["node", "--max-semi-space-size=1", "\/opt\/loopvol\/dist\/main.js"\]/);
+    // One malloc arena, as `npm start` runs it (bench/README.md, resources).
+    expect(/^ENV (.*)$/m.exec(text)?.[1]?.split(/\s+/)).toContain('MALLOC_ARENA_MAX=1');
     const installed =
       /apt-get install[^\n]*--no-install-recommends ([^\n&\\]+)/.exec(text)?.[1]?.trim().split(/\s+/) ?? [];
     const packageOf: Record<string, string> = {
