@@ -36,6 +36,23 @@ async function retryUntilOk(call: () => Promise<unknown>, seconds: number): Prom
   }
 }
 
+/**
+ * Waits for `node`'s next heartbeat, and a second more. Its plugin looks for volumes taken from it on
+ * the same 5 s beat (src/node/fence.ts), so what the test does next lands seconds before that look,
+ * not, on a slow machine, right at it.
+ */
+async function afterBeat(base: string, node: string): Promise<void> {
+  const file = path.join(base, 'pool', 'nodes', `${node}.alive`);
+  const read = () => fs.readFile(file, 'utf8').catch(() => '');
+  const was = await read();
+  const end = Date.now() + 10_000;
+  while ((await read()) === was) {
+    if (Date.now() > end) throw new Error(`${node} wrote no heartbeat in 10 s`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  await new Promise((r) => setTimeout(r, 1000));
+}
+
 async function setup(tag: string) {
   const base = await env.dir(tag);
   const ctl = await env.driver({ dir: base, mode: 'controller', socket: path.join(base, 'ctl.sock') });
@@ -75,13 +92,15 @@ async function setup(tag: string) {
 
 describe.skipIf(!isRoot())('a volume detached from a node that still has it mounted', () => {
   it('moves to another node only once the first has fenced itself, which is never thawed', async () => {
-    const { ctl, a, b, id, paths, up, publishTo, fenceRecord } = await setup('alive');
+    const { base, ctl, a, b, id, paths, up, publishTo, fenceRecord } = await setup('alive');
     await publishTo('node-a');
     await up(a, 'a');
     fencedDevices.push(await mountSource(paths('a').staging));
     env.declareOwn(paths('a').staging, fencedDevices.at(-1) ?? ''); // fenced for good: what a reboot ends
     const sum = await writeRandom(path.join(paths('a').target, 'data.bin'), 4, 21);
-    // The CO force-detaches node-a (it stopped answering the API server, say) and moves the pod.
+    // The CO force-detaches node-a (it stopped answering the API server, say) and moves the pod; node-b
+    // asks before node-a's plugin had a look.
+    await afterBeat(base, 'node-a');
     await ctl.clients.controller.ControllerUnpublishVolume({ volume_id: id, node_id: 'node-a' });
     await publishTo('node-b');
     const first = await errorOf(up(b, 'b'));
