@@ -34,9 +34,9 @@ COPY --from=build /src/node_modules ./node_modules
 COPY --from=build /src/dist ./dist
 COPY --from=build /src/proto ./proto
 # One malloc arena: glibc gives each thread that allocates (V8's compiler and GC helpers, libuv's
-# file-system threads) an arena of its own, and what a burst of calls left in them stays; with one, 7–10
-# MiB less after 1,000 volumes on Node 26, the same idle, no cost in calls per second measured
-# (bench/README.md, resources).
+# file-system threads) an arena of its own, and what a burst of calls left in them stays. With one,
+# 1,000 volumes on Node 26 left 5–10 MiB (median 7) less 35 s after the burst; the same idle; no cost in
+# calls per second seen on a 2-CPU host (bench/README.md, "One malloc arena").
 ENV NODE_ENV=production MALLOC_ARENA_MAX=1
 # A 1 MiB young generation: the driver's per-call garbage is short-lived, and V8's default lets it grow
 # to 16 MiB per semi-space and stay (bench/README.md, resources: ~9 MiB idle, ~23 MiB after 1,000 volumes).

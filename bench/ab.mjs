@@ -2,7 +2,7 @@
 //
 //   npm run build && node bench/ab.mjs <other checkout, built> [ext4,xfs,btrfs,block] [rounds]
 //
-// Both drivers run at once, each on a pool of its own, as deployed (`npm start`'s Node flags). Each
+// Both drivers run at once, each on a pool of its own, as deployed (`npm start`'s Node flags and environment). Each
 // round takes a volume on each through every call of its life (CreateVolume to DeleteVolume, timed
 // one by one), the two drivers taking turns, first one then the other first: on a shared machine
 // whose speed drifts by 2x within minutes, only calls made side by side compare. Prints the median of

@@ -85,8 +85,8 @@ export const DEPLOYED_ENV = { MALLOC_ARENA_MAX: '1' };
  * The real driver (dist/main.js), in a process of its own, serving a pool in `dir`/pool. With
  * `logs: true` its JSON log lines are collected in `lines` (pass --log-level=debug in `extra` to get
  * every command it runs, with its duration). `repo`: another checkout's build (bench/ab.mjs).
- * `nodeArgs` and `env` (added to this process's): the Node flags and environment it runs with, by
- * default as deployed.
+ * `nodeArgs` and `env` (over this process's; a variable given as undefined is left out): the Node flags
+ * and environment it runs with, by default as deployed.
  */
 export async function startDriver(
   dir,

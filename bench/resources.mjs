@@ -47,10 +47,12 @@ async function settle(pid) {
 export async function resources(dir, results, { volumes = 1000 } = {}) {
   const rows = [];
   // Node's defaults, the deployed flags alone, and the flags with the deployed environment (one malloc
-  // arena: DEPLOYED_ENV), each in a run of its own, one after the other.
+  // arena: DEPLOYED_ENV), each in a run of its own, one after the other. The first two leave malloc's
+  // arenas at glibc's default even where this process was given the deployed environment.
+  const glibcDefault = { MALLOC_ARENA_MAX: undefined, GLIBC_TUNABLES: undefined };
   for (const [flags, nodeArgs, env] of [
-    ['default', [], {}],
-    ['small footprint', SMALL_FOOTPRINT, {}],
+    ['default', [], glibcDefault],
+    ['small footprint', SMALL_FOOTPRINT, glibcDefault],
     ['small footprint, one arena', SMALL_FOOTPRINT, DEPLOYED_ENV],
   ]) {
     const sub = await mk(dir, flags.replace(/\W/g, '-')); // a pool of its own: idle means empty
