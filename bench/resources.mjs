@@ -64,14 +64,16 @@ export async function resources(dir, results, { volumes = 1000 } = {}) {
     }
     const metricsPort = port++;
     const d = await startDriver(sub, [`--metrics-address=127.0.0.1:${metricsPort}`], nodeArgs, { env });
+    // A row of the driver's: its RSS and CPU after `wait`, and its V8 heap as /metrics gives it then.
+    const reading = async (state, wait) => ({
+      server: 'loopvol',
+      flags,
+      state,
+      ...(await wait(d.proc.pid)),
+      ...(await heapOf(metricsPort)),
+    });
     try {
-      rows.push({
-        server: 'loopvol',
-        flags,
-        state: 'idle',
-        ...(await settle(d.proc.pid)),
-        ...(await heapOf(metricsPort)),
-      });
+      rows.push(await reading('idle', settle));
       const cap = capOf('block');
       const base = `rss-${flags.replace(/\W/g, '')}`;
       for (let i = 0; i < volumes; i += 32) {
@@ -86,23 +88,11 @@ export async function resources(dir, results, { volumes = 1000 } = {}) {
         );
       }
       await d.c.controller.ListVolumes({});
-      rows.push({
-        server: 'loopvol',
-        flags,
-        state: `after ${volumes} CreateVolume + ListVolumes`,
-        ...(await settle(d.proc.pid)),
-        ...(await heapOf(metricsPort)),
-      });
+      rows.push(await reading(`after ${volumes} CreateVolume + ListVolumes`, settle));
       // Once the driver collected its heap (src/idle-gc.ts: 2 s without calls, at most every 30 s; its
       // collection after the start may hold this one back that long), as the container run reads it.
       await sleep(30_000);
-      rows.push({
-        server: 'loopvol',
-        flags,
-        state: 'the same, 33 s without calls',
-        ...(await procStats(d.proc.pid)),
-        ...(await heapOf(metricsPort)),
-      });
+      rows.push(await reading('the same, 33 s without calls', procStats));
       // What the flags cost in CPU: Probe from one client at c=32, CPU time of the driver per call.
       const calls = 20000;
       const cpu0 = (await procStats(d.proc.pid)).cpuSeconds;
