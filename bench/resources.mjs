@@ -18,6 +18,7 @@ import {
   startBare,
   startDriver,
 } from './lib.mjs';
+import { MIN_INTERVAL_MS, QUIET_MS } from '../dist/idle-gc.js';
 
 /**
  * The Node flags of the image and `npm start` (see bench/README.md): a young generation of 1 MiB
@@ -88,11 +89,14 @@ export async function resources(dir, results, { volumes = 1000 } = {}) {
         );
       }
       await d.c.controller.ListVolumes({});
+      const burstEnded = Date.now();
       rows.push(await reading(`after ${volumes} CreateVolume + ListVolumes`, settle));
-      // Once the driver collected its heap (src/idle-gc.ts: 2 s without calls, at most every 30 s; its
-      // collection after the start may hold this one back that long), as the container run reads it.
-      await sleep(30_000);
-      rows.push(await reading('the same, 33 s without calls', procStats));
+      // Once the driver collected its heap (src/idle-gc.ts: QUIET_MS without calls, at most every
+      // MIN_INTERVAL_MS; its collection after the start may hold this one back that long), as the
+      // container run reads it.
+      const quietMs = MIN_INTERVAL_MS + QUIET_MS + 1000;
+      await sleep(burstEnded + quietMs - Date.now());
+      rows.push(await reading(`the same, ${quietMs / 1000} s without calls`, procStats));
       // What the flags cost in CPU: Probe from one client at c=32, CPU time of the driver per call.
       const calls = 20000;
       const cpu0 = (await procStats(d.proc.pid)).cpuSeconds;

@@ -9,6 +9,7 @@ import { execFileSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { HEARTBEAT_MS } from '../../src/pool/nodes.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
@@ -38,16 +39,16 @@ async function retryUntilOk(call: () => Promise<unknown>, seconds: number): Prom
 
 /**
  * Waits for `node`'s next heartbeat, and a second more. Its plugin looks for volumes taken from it on
- * the same 5 s beat (src/node/fence.ts), so what the test does next lands seconds before that look,
+ * the same beat (HEARTBEAT_MS, src/node/fence.ts), so what the test does next lands seconds before that look,
  * not, on a slow machine, right at it.
  */
 async function afterBeat(base: string, node: string): Promise<void> {
   const file = path.join(base, 'pool', 'nodes', `${node}.alive`);
   const read = () => fs.readFile(file, 'utf8').catch(() => '');
   const was = await read();
-  const end = Date.now() + 10_000;
+  const end = Date.now() + 2 * HEARTBEAT_MS;
   while ((await read()) === was) {
-    if (Date.now() > end) throw new Error(`${node} wrote no heartbeat in 10 s`);
+    if (Date.now() > end) throw new Error(`${node} wrote no heartbeat in ${(2 * HEARTBEAT_MS) / 1000} s`);
     await new Promise((r) => setTimeout(r, 20));
   }
   await new Promise((r) => setTimeout(r, 1000));
