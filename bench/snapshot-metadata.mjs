@@ -17,6 +17,7 @@ import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import * as grpc from '@grpc/grpc-js';
 import { csiProto } from '../dist/server/proto.js';
+import { CHANNEL_OPTIONS } from './lib.mjs';
 
 const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
 const args = process.argv.slice(2);
@@ -79,9 +80,9 @@ async function startDriver(dir, pool) {
   proc.stdout.on('data', (b) => (out += b.toString()));
   const v1 = csiProto().csi.v1;
   const creds = grpc.credentials.createInsecure();
-  const controller = new v1.Controller(`unix://${socket}`, creds);
-  const identity = new v1.Identity(`unix://${socket}`, creds);
-  const metadata = new v1.SnapshotMetadata(`unix://${socket}`, creds);
+  const controller = new v1.Controller(`unix://${socket}`, creds, CHANNEL_OPTIONS);
+  const identity = new v1.Identity(`unix://${socket}`, creds, CHANNEL_OPTIONS);
+  const metadata = new v1.SnapshotMetadata(`unix://${socket}`, creds, CHANNEL_OPTIONS);
   const unary = (c, m) => (req) =>
     new Promise((resolve, reject) =>
       c[m](req, { deadline: new Date(Date.now() + 3_600_000) }, (err, res) =>

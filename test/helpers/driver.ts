@@ -104,7 +104,8 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
   );
   const endpoint = `unix://${socket}`;
   const clients = csiClients(endpoint);
-  const deadline = Date.now() + 15_000 * SLOW;
+  // Three plugins starting at once on a loaded CI machine took 8 s and more to listen: a start gets 30 s.
+  const deadline = Date.now() + 30_000 * SLOW;
   let ready = false;
   let exitCode: number | null | undefined;
   void exited.then((c) => (exitCode = c));

@@ -2,6 +2,7 @@
 import fs from 'node:fs/promises';
 import * as grpc from '@grpc/grpc-js';
 import { csiProto } from '../../src/server/proto.js';
+import { CHANNEL_OPTIONS } from './grpc.js';
 import type { GetMetadataAllocatedRequest } from '../../src/gen/csi/v1/GetMetadataAllocatedRequest.js';
 import type { GetMetadataAllocatedResponse__Output } from '../../src/gen/csi/v1/GetMetadataAllocatedResponse.js';
 import type { GetMetadataDeltaRequest } from '../../src/gen/csi/v1/GetMetadataDeltaRequest.js';
@@ -21,7 +22,11 @@ export interface StreamResult {
 }
 
 export function metadataClient(endpoint: string): SnapshotMetadataClient {
-  return new (csiProto().csi.v1.SnapshotMetadata)(endpoint, grpc.credentials.createInsecure());
+  return new (csiProto().csi.v1.SnapshotMetadata)(
+    endpoint,
+    grpc.credentials.createInsecure(),
+    CHANNEL_OPTIONS,
+  );
 }
 
 export const tuplesOf = (messages: readonly GetMetadataAllocatedResponse__Output[]): Tuple[] =>
