@@ -38,6 +38,10 @@ export default defineConfig({
           setupFiles: ['test/helpers/failure-logs.ts'],
           maxWorkers: integrationWorkers,
           sequence: { groupOrder: 1 },
+          // A file's drivers start slowly on a loaded machine (8 s and more seen in CI) and a test may
+          // start four: a safety net against a hang, not a measure of speed.
+          testTimeout: 180_000,
+          hookTimeout: 180_000,
         },
       },
     ],

@@ -23,7 +23,10 @@ export interface DriverProcess {
   readonly clients: CsiClients;
   /** Log lines (JSON) printed so far. */
   logs(): string[];
-  /** Waits (up to 5 s, times LOOPVOL_TEST_SLOW) for a log line that satisfies `match`; the log is written asynchronously. */
+  /**
+   * Waits (up to 30 s, times LOOPVOL_TEST_SLOW) for a log line that satisfies `match`; the log is written
+   * asynchronously, and what it reports (an attach, a freeze, a start-up check) takes seconds under load.
+   */
   waitForLog(match: (line: string) => boolean): Promise<boolean>;
   stderr(): string;
   /** Sends a signal and waits for the exit code. */
@@ -133,7 +136,7 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
     clients,
     logs,
     async waitForLog(match) {
-      for (let i = 0; i < 100 * SLOW; i++) {
+      for (let i = 0; i < 600 * SLOW; i++) {
         if (out.split('\n').some((l) => l !== '' && match(l))) return true;
         await new Promise((r) => setTimeout(r, 50));
       }

@@ -148,7 +148,11 @@ describe('the socket', () => {
     'a successor on the same socket serves only once its predecessor has finished its calls and exited',
     async () => {
       const base = await dir('successor');
-      const first = await driver({ dir: base, env: { LOOPVOL_PAUSEPOINT: 'stage:attached:3000' } });
+      // The pause outlasts the successor's start up to its wait for the predecessor, on a loaded machine too.
+      const first = await driver({
+        dir: base,
+        env: { LOOPVOL_PAUSEPOINT: `stage:attached:${10_000 * SLOW}` },
+      });
       const cap = mountCap('ext4');
       const made = await createVolume(first, `pvc-successor-${Date.now().toString(36)}`, cap, 32 * MiB);
       const staging = path.join(base, 'staging');
