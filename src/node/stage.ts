@@ -273,15 +273,9 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
     // the only record of which one is this node's; for a filesystem, the one after it is unmounted.
     const naming = nameDevice(d, r.id, lease, loop);
     if (r.cap.accessType === 'block') {
-      // A first stage also records that the volume holds data, and on which sector size, beside the
-      // lease (neither touches the device; both are written before the pod can write).
-      const device = loop;
-      const marking = recorded
-        ? Promise.resolve(false)
-        : d.host
-            .sectorSize(device)
-            .then((size) => d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`, size));
-      await sideBySide(naming, marking);
+      await naming;
+      if (!recorded)
+        await d.volumes.markInitialized(r.id, `node ${d.nodeId} (raw block)`, await d.host.sectorSize(loop));
       if (pin) await notMarkedToGo(d, loop);
       checkpoint(x);
       return;
