@@ -10,6 +10,9 @@ const integrationWorkers = Math.max(
   Number.parseInt(process.env.LOOPVOL_TEST_WORKERS ?? '', 10) || Math.min(3, availableParallelism() + 1),
 );
 
+/** How many times slower than this machine the suites run (test/helpers/host.ts SLOW; test/kernels/ sets it). */
+const slow = Math.max(1, Number(process.env.LOOPVOL_TEST_SLOW ?? 1) || 1);
+
 export default defineConfig({
   test: {
     // test/container/ runs the built image in a container engine: test/container/run.sh runs it, with
@@ -40,8 +43,8 @@ export default defineConfig({
           sequence: { groupOrder: 1 },
           // A file's drivers start slowly on a loaded machine (8 s and more seen in CI) and a test may
           // start four: a safety net against a hang, not a measure of speed.
-          testTimeout: 180_000,
-          hookTimeout: 180_000,
+          testTimeout: 180_000 * slow,
+          hookTimeout: 180_000 * slow,
         },
       },
     ],

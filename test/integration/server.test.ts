@@ -148,10 +148,12 @@ describe('the socket', () => {
     'a successor on the same socket serves only once its predecessor has finished its calls and exited',
     async () => {
       const base = await dir('successor');
-      // The pause outlasts the successor's start up to its wait for the predecessor, on a loaded machine too.
+      // The pause outlasts the successor's start up to its wait for the predecessor, on a loaded machine
+      // too; the shutdown timeout outlasts the pause, so the stage finishes and is not cancelled.
       const first = await driver({
         dir: base,
         env: { LOOPVOL_PAUSEPOINT: `stage:attached:${10_000 * SLOW}` },
+        extra: [`--shutdown-timeout=${Math.ceil(30 * SLOW)}`],
       });
       const cap = mountCap('ext4');
       const made = await createVolume(first, `pvc-successor-${Date.now().toString(36)}`, cap, 32 * MiB);
@@ -312,7 +314,7 @@ describe('the socket', () => {
       const c = csiClients(`127.0.0.1:${port}`);
       let name = '';
       // As long as a driver may take to start on a loaded machine (startDriverProcess waits as long).
-      const until = Date.now() + 15_000 * SLOW;
+      const until = Date.now() + 30_000 * SLOW;
       while (!name && Date.now() < until) {
         name = await c.identity.GetPluginInfo({}, { timeoutMs: 500 }).then(
           (r) => r.name,

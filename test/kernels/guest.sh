@@ -14,8 +14,8 @@ export LOOPVOL_TEST_SLOW=${slow:-1}
 # Its files one at a time: a guest's two CPUs (often emulated) have no time to spare for files side by side.
 export LOOPVOL_TEST_WORKERS=1
 # shellcheck disable=SC2046 # one argument per line, none with spaces
-node node_modules/vitest/vitest.mjs run --testTimeout=$((60000 * LOOPVOL_TEST_SLOW)) \
-  --hookTimeout=$((60000 * LOOPVOL_TEST_SLOW)) $(cat test/kernels/.vitest-args)
+node node_modules/vitest/vitest.mjs run --testTimeout=$((180000 * LOOPVOL_TEST_SLOW)) \
+  --hookTimeout=$((180000 * LOOPVOL_TEST_SLOW)) $(cat test/kernels/.vitest-args)
 echo "loopvol-guest: exit=$?"
 sync
 echo o >/proc/sysrq-trigger
