@@ -560,6 +560,19 @@ describe('a stage that fails undoes what it did', () => {
     await expectNothingLeft(w, id);
   });
 
+  it('a raw block volume whose lease cannot name the device is not marked initialized, and the stage undoes it all', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    aroundNaming(w, async (_take, vid) => {
+      await pause(50); // a record written beside the lease would be written meanwhile
+      throw conflict(`Volume ${vid} was detached from node ${NODE}; publish it to this node again first.`);
+    });
+    expect(await codeOf(stage(w, id, { accessType: 'block', fsType: '' }))).toBe('FAILED_PRECONDITION');
+    // The marker would fix the volume's sector size for every node and refuse mount clones of it.
+    expect(await w.volumes.isInitialized(id)).toBe(false);
+    await expectNothingLeft(w, id);
+  });
+
   it('undoes its lease only once the record naming the device is written, when the probe fails first', async () => {
     const w = await world();
     const { id } = await newVolume(w);
