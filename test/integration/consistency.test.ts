@@ -81,7 +81,8 @@ function startWriter(
   return { proc, written: () => last, stop };
 }
 
-async function until(what: () => boolean, ms = 10_000): Promise<void> {
+/** Polls `what` until it holds; a writer's fsyncs on a busy disk take long, so the default is generous. */
+async function until(what: () => boolean, ms = 60_000 * SLOW): Promise<void> {
   const end = Date.now() + ms;
   while (!what()) {
     if (Date.now() > end) throw new Error('timed out');
@@ -245,7 +246,7 @@ describe.skipIf(!isRoot()).each([
         );
         expect(first.code).toBe('FAILED_PRECONDITION'); // not DEADLINE_EXCEEDED: nothing is still running
         expect(first.details).toMatch(/did not finish within its 2 s freeze budget/);
-        await until(() => froze() === frozeBefore + 1, 5_000);
+        await until(() => froze() === frozeBefore + 1, 30_000 * SLOW);
         // The writer goes on once the copy is stopped.
         const at = w.written();
         await until(() => w.written() >= at + 20);
@@ -318,7 +319,7 @@ describe.skipIf(!isRoot())('a pod that goes away during a long frozen copy', () 
     const hung = new Promise((_, reject) => {
       setTimeout(() => {
         reject(new Error('a write hung'));
-      }, 5000);
+      }, 30_000 * SLOW);
     });
     await Promise.race([write, hung]);
     await d.clients.node.NodeUnpublishVolume({ volume_id: id, target_path: target });

@@ -70,7 +70,7 @@ async function deviceBoundAt(target: string): Promise<string> {
 async function sharedVolume(tag: string, cap: VolumeCapability) {
   const base = await env.dir(tag);
   const d = await env.driver({ dir: base });
-  const pause = 6000 * SLOW;
+  const pause = 10_000 * SLOW;
   const a = await env.driver({
     dir: base,
     socket: path.join(base, 'node-a.sock'),
@@ -84,14 +84,18 @@ async function sharedVolume(tag: string, cap: VolumeCapability) {
   return { d, a, b, id, pause };
 }
 
-/** The device a's log says its stage of `id` attached, once it has. */
-async function attachedBy(a: DriverProcess, id: string): Promise<string> {
+/**
+ * The device a's log says its stage of `id` attached, once it has, and when (epoch ms): its pause
+ * begins right after.
+ */
+async function attachedBy(a: DriverProcess, id: string): Promise<{ dev: string; at: number }> {
   const attached = (l: string): boolean => l.includes('attached loop device') && l.includes(id);
   expect(await a.waitForLog(attached)).toBe(true);
-  const dev = (JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string }).device ?? '';
+  const line = JSON.parse(a.logs().find(attached) ?? '{}') as { device?: string; time?: string };
+  const dev = line.device ?? '';
   expect(dev).toMatch(/^\/dev\/loop\d+$/);
   expect(backingOf(dev)).toContain(`/${id}/disk.img`);
-  return dev;
+  return { dev, at: Date.parse(line.time ?? '') };
 }
 
 describe.skipIf(!isRoot())('two node plugins on one host, while one of them stages a shared volume', () => {
@@ -115,10 +119,9 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
 
     // Node a's stage attaches its device and is held there.
     const sa = path.join(base, 'a');
-    const started = Date.now();
     const staging = stage(a, id, sa, cap);
     staging.catch(() => undefined); // awaited below; a failure before then is reported there
-    const da = await attachedBy(a, id);
+    const { dev: da, at: heldSince } = await attachedBy(a, id);
 
     // Meanwhile node b stages the volume on a device of its own, and unstages it, leaving a's.
     await stage(b, id, sb, cap);
@@ -134,7 +137,7 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     await stage(b, other.id, so, mountCap('ext4'));
     expect(await mountSource(so)).not.toBe(da);
     // All of this happened while a's stage was held (else the test proved nothing).
-    expect(Date.now() - started).toBeLessThan(pause);
+    expect(Date.now() - heldSince).toBeLessThan(pause);
 
     await staging;
     expect(await mountSource(sa)).toBe(da);
@@ -159,15 +162,14 @@ describe.skipIf(!isRoot())('two node plugins on one host, while one of them stag
     expect(backingOf(db)).toContain(`/${id}/disk.img`); // still staged on b
 
     const sa = path.join(base, 'a');
-    const started = Date.now();
     const staging = stage(a, id, sa, cap);
     staging.catch(() => undefined); // awaited below; a failure before then is reported there
-    const da = await attachedBy(a, id);
+    const { dev: da, at: heldSince } = await attachedBy(a, id);
     expect(da).not.toBe(db);
     await b.clients.node.NodeUnstageVolume({ volume_id: id, staging_target_path: sb });
     expect(backingOf(db)).not.toContain(`/${id}/disk.img`); // the number may serve another file's image now
     expect(backingOf(da)).toContain(`/${id}/disk.img`);
-    expect(Date.now() - started).toBeLessThan(pause);
+    expect(Date.now() - heldSince).toBeLessThan(pause);
 
     await staging;
     // a's lease names its device, with the disk sequence number it had (on kernels that show one).
