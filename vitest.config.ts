@@ -41,7 +41,7 @@ export default defineConfig({
           setupFiles: ['test/helpers/failure-logs.ts'],
           maxWorkers: integrationWorkers,
           sequence: { groupOrder: 1 },
-          // A file's drivers start slowly on a loaded machine (8 s and more seen in CI) and a test may
+          // A file's drivers start slowly on a loaded machine (a CI failure implies about 8 s) and a test may
           // start four: a safety net against a hang, not a measure of speed.
           testTimeout: 180_000 * slow,
           hookTimeout: 180_000 * slow,

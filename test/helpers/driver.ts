@@ -107,7 +107,8 @@ export async function startDriverProcess(a: DriverArgs): Promise<DriverProcess> 
   );
   const endpoint = `unix://${socket}`;
   const clients = csiClients(endpoint);
-  // Three plugins starting at once on a loaded CI machine took 8 s and more to listen: a start gets 30 s.
+  // Three plugins starting at once on a loaded CI machine took about 8 s or more to listen (what a start
+  // that failed there implies): a start gets 30 s.
   const deadline = Date.now() + 30_000 * SLOW;
   let ready = false;
   let exitCode: number | null | undefined;

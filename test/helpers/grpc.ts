@@ -51,8 +51,9 @@ export interface CsiClients {
 
 /**
  * A test's channel tries its socket again within a quarter second. grpc-js waits 1 s after a failed
- * connect, then 1.6 times longer each time: a driver that took 10 s to listen (a loaded CI machine)
- * was seen by a client polling since its spawn only at about 16 s, after the start helper gave up.
+ * connect, then 1.6 times longer each time: a driver that began to listen 12.6 s after a client
+ * began polling was answered only at 19.9 s (12.8 s with these options), past the start helper's
+ * 15 s deadline of the time.
  */
 export const CHANNEL_OPTIONS: grpc.ChannelOptions = {
   'grpc.initial_reconnect_backoff_ms': 100,
