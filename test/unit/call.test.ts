@@ -11,6 +11,15 @@ import { removeServeDirs, serveInProcess } from '../helpers/serve.js';
 
 afterAll(removeServeDirs);
 
+/** Polls `what` until it holds (a call reached its handler), for up to 10 s. */
+async function until(what: () => boolean): Promise<void> {
+  const end = Date.now() + 10_000;
+  while (!what()) {
+    if (Date.now() > end) throw new Error('timed out');
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 async function serve(methods: Methods<ControllerHandlers>) {
   const def = csiProto().csi.v1.Controller.service;
   const s = await serveInProcess('call', (server, deps) => {
@@ -41,12 +50,11 @@ describe('the per-call wrapper', () => {
     expect(await codeOf(s.clients.controller.CreateVolume({ name: '' }))).toBe('INVALID_ARGUMENT');
     expect(runs).toBe(0);
     const first = s.clients.controller.CreateVolume({ name: 'a', secrets: { key: 'top-secret-value' } });
-    await new Promise((r) => setTimeout(r, 50));
+    await until(() => runs === 1);
     const second = await errorOf(s.clients.controller.CreateVolume({ name: 'a' }));
     expect(second.code).toBe('ABORTED');
     const other = codeOf(s.clients.controller.CreateVolume({ name: 'b' })); // another key: not refused
-    await new Promise((r) => setTimeout(r, 50));
-    expect(runs).toBe(2);
+    await until(() => runs === 2);
     release();
     expect(await other).toBe('OK');
     expect((await first).volume?.volume_id).toBe('vol-1');
@@ -177,11 +185,13 @@ describe('counting calls in and out', () => {
 
 describe('stop', () => {
   it('refuses new calls, lets a call in flight finish, and removes the socket', async () => {
+    let started = false;
     let finished = false;
     const s = await serve({
       CreateVolume: method({
         validate: () => null,
         run: async () => {
+          started = true;
           await new Promise((r) => setTimeout(r, 400));
           finished = true;
           return { volume: { volume_id: 'vol-slow', capacity_bytes: '1' } };
@@ -189,7 +199,7 @@ describe('stop', () => {
       }),
     });
     const slow = s.clients.controller.CreateVolume({ name: 'slow' });
-    await new Promise((r) => setTimeout(r, 50));
+    await until(() => started);
     const stopping = stop(s.server, s.endpoint, 5000, s.log);
     const late = await codeOf(
       csiClients(`unix://${s.endpoint.path}`).controller.CreateVolume({ name: 'late' }, { timeoutMs: 1000 }),
@@ -203,11 +213,18 @@ describe('stop', () => {
   });
 
   it('cancels calls that outlive the shutdown timeout', async () => {
+    let started = false;
     const s = await serve({
-      CreateVolume: method({ validate: () => null, run: () => new Promise(() => undefined) }),
+      CreateVolume: method({
+        validate: () => null,
+        run: () => {
+          started = true;
+          return new Promise(() => undefined);
+        },
+      }),
     });
     const stuck = codeOf(s.clients.controller.CreateVolume({ name: 'stuck' }));
-    await new Promise((r) => setTimeout(r, 50));
+    await until(() => started);
     const t0 = Date.now();
     await stop(s.server, s.endpoint, 300, s.log);
     expect(Date.now() - t0).toBeLessThan(2000);

@@ -117,11 +117,12 @@ describe('LockManager', () => {
     await fs.writeFile(file, JSON.stringify(foreignOwner()));
     const future = new Date(Date.now() + 3_600_000);
     await fs.utimes(file, future, future);
-    const locks = new LockManager(dir, log, { leaseMs: 300 });
+    // A lease long enough that the look "too soon" stays within it on a loaded machine.
+    const locks = new LockManager(dir, log, { leaseMs: 2000 });
     expect(isHeld(await locks.tryAcquire('k', 'first look'))).toBe(false);
-    await sleep(150);
+    await sleep(500);
     expect(isHeld(await locks.tryAcquire('k', 'too soon'))).toBe(false);
-    await sleep(250);
+    await sleep(1700);
     const got = await locks.tryAcquire('k', 'stale');
     expect(isHeld(got)).toBe(true);
     if (isHeld(got)) await got.release();
@@ -270,7 +271,8 @@ describe('work under a lock that is lost', () => {
     const lockTakenOver = async <T>(read: () => Promise<T>): Promise<T> => {
       const got = await read();
       await fs.writeFile(lockFile, '{}');
-      await new Promise((r) => setTimeout(r, 150));
+      // Its renewal (every 20 ms) has found it gone, on a loaded machine too.
+      await new Promise((r) => setTimeout(r, 1000));
       return got;
     };
     return { pool, volumes, id: meta.id, lockFile, lockTakenOver };

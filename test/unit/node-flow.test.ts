@@ -380,7 +380,7 @@ describe("what this host's page cache remembers of a device never decides", () =
       const lock = path.join(w.pool.layout.locksDir, `${vid}.format.lock`);
       while (!(await fs.stat(lock).catch(() => undefined))) await pause(5);
       await fs.writeFile(lock, '{}');
-      await pause(150);
+      await pause(1000); // its renewal (every 20 ms) has found it gone, on a loaded machine too
       return take();
     });
     expect(await codeOf(stage(w, id))).toBe('ABORTED');
@@ -449,7 +449,7 @@ describe('a mkfs cut short', () => {
       await format(...args);
       // Another process takes the format lock over (this one was cut off from the pool for a lease).
       await fs.writeFile(path.join(w.pool.layout.locksDir, `${id}.format.lock`), '{}');
-      await pause(150);
+      await pause(1000); // its renewal (every 20 ms) has found it gone, on a loaded machine too
     };
     expect(await codeOf(stage(w, id))).toBe('ABORTED');
     expect(w.host.mountsAt(STAGING)).toEqual([]);
