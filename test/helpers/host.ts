@@ -144,9 +144,10 @@ export async function isMounted(mountPoint: string): Promise<boolean> {
  */
 export async function cleanupUnder(root: string): Promise<Leaks> {
   // A detach the file asked for while something else had the device open for a moment (another file's
-  // `losetup --list`, running beside it) ends at that close: given a second, it is not a leak.
+  // `losetup --list`, running beside it, slow on a loaded machine) ends at that close: given five
+  // seconds, it is not a leak.
   const waiting = (await leakedUnder(root)).loops.filter(pending);
-  for (let i = 0; i < 50 && waiting.some(unchanged); i++) await new Promise((r) => setTimeout(r, 20));
+  for (let i = 0; i < 250 * SLOW && waiting.some(unchanged); i++) await new Promise((r) => setTimeout(r, 20));
   let now = await leakedUnder(root);
   const found = reported(now);
   for (let round = 0; round < 4; round++) {

@@ -13,7 +13,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { MiB, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
+import { MiB, SLOW, scratchFilesystem, sha256, writeRandom } from '../helpers/host.js';
 import { publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -106,7 +106,7 @@ describe.each(['ext4', 'btrfs'] as const)('a full %s pool', (poolFs) => {
     expect(await codeOf(c.DeleteVolume({ volume_id: await make('pvc-after') }))).toBe('OK');
     const reserve = path.join(d.poolDir, 'reserve');
     let held = 0;
-    for (let i = 0; i < 100 && held < 4 * MiB; i++) {
+    for (let i = 0; i < 600 * SLOW && held < 4 * MiB; i++) {
       await new Promise((r) => setTimeout(r, 50));
       held = (await fs.stat(reserve)).blocks * 512;
     }

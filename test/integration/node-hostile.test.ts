@@ -14,7 +14,7 @@ import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { readSys } from '../../src/host/loop.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { isMounted, isRoot, MiB, ownMountNamespace, sha256, writeRandom } from '../helpers/host.js';
+import { isMounted, isRoot, MiB, ownMountNamespace, SLOW, sha256, writeRandom } from '../helpers/host.js';
 import { createVolume, publish, stage } from '../helpers/volumes.js';
 
 const env = new TestEnv();
@@ -355,7 +355,7 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
     }
     // The namespace ended: the kernel lets the device go, and the retry finishes the unstage.
     const attached = () => sh('losetup', ['--associated', image]).trim();
-    for (let i = 0; i < 100 && attached() !== ''; i++) await new Promise((r) => setTimeout(r, 20));
+    for (let i = 0; i < 500 * SLOW && attached() !== ''; i++) await new Promise((r) => setTimeout(r, 20));
     codes.last = await codeOf(unstage(id, staging));
     expect(codes).toEqual({
       unpublish: 'OK',

@@ -10,7 +10,7 @@ import type { VolumeCapability } from '../../src/gen/csi/v1/VolumeCapability.js'
 import type { DriverArgs, DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
-import { cleanupUnder, isRoot, leaksUnder, MiB, sha256, writeRandom } from '../helpers/host.js';
+import { cleanupUnder, isRoot, leaksUnder, MiB, SLOW, sha256, writeRandom } from '../helpers/host.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -548,7 +548,7 @@ describe.skipIf(!isRoot())('restarts and crashes', () => {
     const v = await makeVolume(a, base, 'pvc-mkfsorphan', mountCap('btrfs'), 128 * MiB);
     const staging = codeOf(v.stage());
     let pid = 0;
-    for (let i = 0; i < 100 && !pid; i++) {
+    for (let i = 0; i < 600 * SLOW && !pid; i++) {
       pid = Number((await fs.readFile(pidFile, 'utf8').catch(() => '')).trim());
       if (!pid) await new Promise((r) => setTimeout(r, 50));
     }
