@@ -268,6 +268,15 @@ export const isRoot = (): boolean => process.getuid?.() === 0;
  */
 export const SLOW = Math.max(1, Number(process.env.LOOPVOL_TEST_SLOW ?? 1) || 1);
 
+/** Polls `what` every `everyMs` until it holds; throws after `ms` (by default a minute, times SLOW). */
+export async function until(what: () => boolean, ms = 60_000 * SLOW, everyMs = 20): Promise<void> {
+  const end = Date.now() + ms;
+  while (!what()) {
+    if (Date.now() > end) throw new Error('timed out');
+    await new Promise((r) => setTimeout(r, everyMs));
+  }
+}
+
 /**
  * What a reboot of a fenced node would end: mounts each device's frozen ext4 superblock again (the
  * kernel hands back the frozen one), thaws it and unmounts it, so the loop device can go.

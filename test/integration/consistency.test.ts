@@ -20,6 +20,7 @@ import {
   RUN,
   scratchFilesystem,
   SLOW,
+  until,
   writeRandom,
 } from '../helpers/host.js';
 import { createVolume } from '../helpers/volumes.js';
@@ -79,15 +80,6 @@ function startWriter(
     await Promise.race([exited, new Promise((r) => setTimeout(r, 10_000 * SLOW))]);
   };
   return { proc, written: () => last, stop };
-}
-
-/** Polls `what` until it holds; a writer's fsyncs on a busy disk take long, so the default is generous. */
-async function until(what: () => boolean, ms = 60_000 * SLOW): Promise<void> {
-  const end = Date.now() + ms;
-  while (!what()) {
-    if (Date.now() > end) throw new Error('timed out');
-    await new Promise((r) => setTimeout(r, 20));
-  }
 }
 
 /** The records in an ext4 image's /log, read without mounting it; throws on a torn or missing record. */

@@ -7,18 +7,10 @@ import type { ControllerHandlers } from '../../src/gen/csi/v1/Controller.js';
 import { buildService, method, type Methods } from '../../src/server/call.js';
 import { stop } from '../../src/server/server.js';
 import { codeOf, csiClients, errorOf } from '../helpers/grpc.js';
+import { until } from '../helpers/host.js';
 import { removeServeDirs, serveInProcess } from '../helpers/serve.js';
 
 afterAll(removeServeDirs);
-
-/** Polls `what` until it holds (a call reached its handler), for up to 10 s. */
-async function until(what: () => boolean): Promise<void> {
-  const end = Date.now() + 10_000;
-  while (!what()) {
-    if (Date.now() > end) throw new Error('timed out');
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
 
 async function serve(methods: Methods<ControllerHandlers>) {
   const def = csiProto().csi.v1.Controller.service;
