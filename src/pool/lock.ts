@@ -140,6 +140,13 @@ interface Sighting {
   since: number;
 }
 
+/**
+ * The tokens of the locks this process holds, or is creating, whichever manager took them: a lock file
+ * naming this very process but none of these is one it left behind (its removal failed while the pool
+ * did not answer), not one it holds.
+ */
+const holding = new Set<string>();
+
 const ASIDE = '.stale-';
 /** Whether `name` is one a stale lock gets when it is moved aside to be broken. */
 export const isAsideName = (name: string): boolean => /^.+\.lock\.stale-[0-9a-f]{12}$/.test(name);
@@ -179,7 +186,16 @@ export class LockManager {
     };
     const body = JSON.stringify(owner);
     for (let attempt = 0; attempt < 3; attempt++) {
-      if (await createExclusive(file, body, false)) {
+      // Counted as held from before its file can appear: another call of this process looking at it
+      // meanwhile must not take it for one this process left behind.
+      holding.add(owner.token);
+      let created = false;
+      try {
+        created = await createExclusive(file, body, false);
+      } finally {
+        if (!created) holding.delete(owner.token);
+      }
+      if (created) {
         this.sightings.delete(file);
         return this.held(file, owner);
       }
@@ -215,8 +231,10 @@ export class LockManager {
     const me = await identity();
     if (owner && owner.bootId === me.bootId) {
       if (owner.pidNs === me.pidNs) {
-        if (owner.pid === me.pid)
-          return { live: owner.start === me.start, owner, why: 'an earlier run of this process' };
+        if (owner.pid === me.pid) {
+          if (owner.start !== me.start) return { live: false, owner, why: 'an earlier run of this process' };
+          return { live: holding.has(owner.token), owner, why: 'this process, which could not remove it' };
+        }
         return { live: await isAlive(owner.pid, owner.start), owner, why: 'its process exited' };
       }
       if (this.role !== undefined && owner.role === this.role) {
@@ -308,22 +326,34 @@ export class LockManager {
         released = true;
         clearInterval(timer);
         const removeIfOurs = async (): Promise<void> => {
-          const current = await readOwner(file);
+          let current;
+          try {
+            current = parseOwner(await readJson(file));
+          } catch (err) {
+            this.log.warn(
+              { lock: file, err },
+              'could not read a pool lock to remove it; the next call that needs it takes it over',
+            );
+            return;
+          }
           if (current?.token !== owner.token) {
             this.log.error({ lock: file }, 'a lock this process held was taken over by another process');
             return;
           }
           await removeFile(file);
         };
+        // Held until the removal ended, then not: a file it failed to remove (the pool did not answer) is
+        // one this process left behind, which the next call that needs it takes over.
+        const removing = removeIfOurs().finally(() => holding.delete(owner.token));
         // Lost: the pool may not answer, and reading the file could hang the call that releases it.
         // The file is removed when the pool answers (if it is still ours), without waiting for that.
         if (controller.signal.aborted) {
-          removeIfOurs().catch((err: unknown) => {
+          removing.catch((err: unknown) => {
             this.log.warn({ lock: file, err }, 'could not remove a lost pool lock');
           });
           return;
         }
-        await removeIfOurs();
+        await removing;
       },
     };
   }

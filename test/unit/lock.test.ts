@@ -74,6 +74,39 @@ describe('LockManager', () => {
     if (isHeld(c)) await c.release();
   });
 
+  it('takes over a lock file naming this process that it no longer holds (its removal failed while the pool did not answer)', async () => {
+    const dir = await tempDir('lock-own');
+    dirs.push(dir);
+    const locks = new LockManager(dir, log);
+    const a = await locks.tryAcquire('k', 'a');
+    if (!isHeld(a)) throw new Error('not held');
+    const file = path.join(dir, 'k.lock');
+    const left = await fs.readFile(file);
+    await a.release();
+    await fs.writeFile(file, left); // as if the release's removal had failed
+    const again = await locks.tryAcquire('k', 'again');
+    expect(isHeld(again)).toBe(true);
+    if (isHeld(again)) await again.release();
+    await expect(fs.stat(file)).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+
+  it('a lock this process holds is refused to its other managers, and to its own calls made at once', async () => {
+    const dir = await tempDir('lock-many');
+    dirs.push(dir);
+    const [one, two] = [new LockManager(dir, log), new LockManager(dir, log)];
+    const got = await Promise.all(
+      Array.from({ length: 8 }, (_, i) => (i % 2 ? one : two).tryAcquire('k', `${i}`)),
+    );
+    const held = got.filter(isHeld);
+    expect(held).toHaveLength(1);
+    expect(isHeld(await one.tryAcquire('k', 'later'))).toBe(false);
+    expect(isHeld(await two.tryAcquire('k', 'later'))).toBe(false);
+    await held[0]?.release();
+    const after = await two.tryAcquire('k', 'after');
+    expect(isHeld(after)).toBe(true);
+    if (isHeld(after)) await after.release();
+  });
+
   const foreignOwner = (token = 't') => ({
     host: 'elsewhere',
     bootId: 'other-boot',
