@@ -2,7 +2,7 @@
  * The format of volumes/<id>/fences.json, and pure changes to it.
  */
 import { isRecord, type RecordRead } from './fsutil.js';
-import { type Attachment, type Lease, parseAttachment, parseLease } from './types.js';
+import { type Attachment, isMultiNode, type Lease, parseAttachment, parseLease } from './types.js';
 
 /**
  * volumes/<id>/fences.json: every node's attachment and lease in one file. One file that always has
@@ -63,6 +63,18 @@ export function parseFenceFile(v: unknown): FenceFile | undefined {
 
 export function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType' | 'mode'>): string {
   return `${a.accessType} access, ${a.mode}${a.readonly ? ', read-only' : ''}`;
+}
+
+/** Whether a publish may share its volume with other nodes': read-only, of a multi-node access mode. */
+export const shareable = (a: Attachment): boolean => isMultiNode(a.mode) && a.readonly;
+
+/** Why `att` may not join `blocking`'s publish of volume `id` on another node. */
+export function sharingRefused(id: string, blocking: Attachment, att: Attachment): string {
+  const rule =
+    isMultiNode(att.mode) && isMultiNode(blocking.mode)
+      ? 'nodes share it only when each publish is read-only'
+      : 'it is a single-node volume';
+  return `Volume ${id} is published to node ${blocking.node} and ${rule}: not published to ${att.node}.`;
 }
 
 /** `revoked` with the leases of `nodes` marked released, saying `how` and when. */

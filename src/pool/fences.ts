@@ -15,6 +15,8 @@ import {
   type FenceRead,
   letGo,
   parseFenceFile,
+  shareable,
+  sharingRefused,
   unreadableAttachment,
   unreadableLease,
   without,
@@ -92,7 +94,10 @@ export abstract class VolumeFences {
   /** The fence file after the per-node `copies` (side by side, appearing in order), while `lock` is held. */
   private async writeFenceFile(id: string, lock: HeldLock, f: FenceFile, copies: NewFile[] = []) {
     lock.assertHeld(); // lost: another process may have changed the file since it was read
-    await writeFilesAtomic([...copies, { file: this.layout.volumeFences(id), data: json(f) }]);
+    // And before each rename: a pool hung while the temp files were synced may have let another take it.
+    await writeFilesAtomic([...copies, { file: this.layout.volumeFences(id), data: json(f) }], true, () => {
+      lock.assertHeld();
+    });
   }
 
   /**
@@ -171,13 +176,8 @@ export abstract class VolumeFences {
         await this.nodes.addAttached(att.node, id);
         return 'exists';
       }
-      const shareable = (a: Attachment): boolean => isMultiNode(a.mode) && a.readonly;
       const blocking = current.find((other) => !(shareable(other) && shareable(att)));
-      if (blocking) {
-        throw conflict(
-          `Volume ${id} is published to node ${blocking.node}; a single-node volume cannot be published to ${att.node} too.`,
-        );
-      }
+      if (blocking) throw conflict(sharingRefused(id, blocking, att));
       await this.admission.admit(att.node, {
         id,
         maxVolumes,

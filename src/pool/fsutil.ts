@@ -105,9 +105,14 @@ export interface NewFile {
  * Replaces several files atomically, and unless `durable` is false durably, making them appear in the
  * order given: the temp files are written (and synced) side by side, the slow part, then renamed one
  * after the other, then their directories synced one after the other. A crash leaves each file old or
- * new, and (durably written) a later file new only if every earlier one is.
+ * new, and (durably written) a later file new only if every earlier one is. What `beforeRename`
+ * throws stops the write before the next rename (a lock checked again after the slow part).
  */
-export async function writeFilesAtomic(files: readonly NewFile[], durable = true): Promise<void> {
+export async function writeFilesAtomic(
+  files: readonly NewFile[],
+  durable = true,
+  beforeRename: () => void = () => undefined,
+): Promise<void> {
   const written = await Promise.allSettled(files.map((f) => writeTemp(f.file, f.data, durable)));
   const temps = written.flatMap((w) => (w.status === 'fulfilled' ? [w.value] : []));
   const failed = written.find((w): w is PromiseRejectedResult => w.status === 'rejected');
@@ -115,6 +120,7 @@ export async function writeFilesAtomic(files: readonly NewFile[], durable = true
   try {
     if (failed) throw failed.reason;
     for (const [i, f] of files.entries()) {
+      beforeRename(); // a throw here leaves this file and every later one as they were
       await fs.rename(temps[i] as string, f.file);
       renamed = i + 1;
     }

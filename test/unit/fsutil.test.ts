@@ -79,6 +79,26 @@ describe('writeFilesAtomic', () => {
     expect(await fs.readFile(second, 'utf8')).toBe('old\n');
     expect(await everything()).toEqual(['a', 'a/copy.json', 'a/copy.json/x', 'b', 'b/fences.json']);
   });
+  it('renames nothing more once the check before a rename throws, and leaves no temp file', async () => {
+    const first = path.join(dir, 'a', 'copy.json');
+    const second = path.join(dir, 'b', 'fences.json');
+    await fs.writeFile(second, 'old\n');
+    let checks = 0;
+    const write = writeFilesAtomic(
+      [
+        { file: first, data: 'new\n' },
+        { file: second, data: 'new\n' },
+      ],
+      true,
+      () => {
+        if (++checks === 2) throw new Error('lock lost');
+      },
+    );
+    await expect(write).rejects.toThrow(/lock lost/);
+    expect(await fs.readFile(first, 'utf8')).toBe('new\n');
+    expect(await fs.readFile(second, 'utf8')).toBe('old\n');
+    expect(await everything()).toEqual(['a', 'a/copy.json', 'b', 'b/fences.json']);
+  });
 });
 
 describe('isTempName', () => {

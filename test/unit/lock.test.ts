@@ -375,6 +375,36 @@ describe('work under a lock that is lost', () => {
     expect(await volumes.lease(id, 'node-a')).toMatchObject({ node: 'node-a', stagingPath: '/staging' });
   });
 
+  it('renames no fence record once the lock was lost while its temp files were written (a pool that hung meanwhile)', async () => {
+    const { pool, volumes, id, lockFile } = await volumeOnQuickPool('lost-rename');
+    const open = fs.open.bind(fs);
+    let taken = false;
+    vi.spyOn(fs, 'open').mockImplementation(async (file, ...rest) => {
+      if (!taken && path.basename(String(file)).startsWith('.fences.json.')) {
+        // Another process takes the lock over while this one writes (the pool hung here for a lease).
+        taken = true;
+        await fs.writeFile(lockFile, '{}');
+        await new Promise((r) => setTimeout(r, 1000));
+      }
+      return open(file, ...rest);
+    });
+    const lease = {
+      node: 'node-a',
+      stagingPath: '/staging',
+      accessType: 'mount' as const,
+      mode: 'SINGLE_NODE_WRITER' as const,
+      readonly: false,
+      since: new Date().toISOString(),
+    };
+    await expect(volumes.takeLease(id, lease)).rejects.toThrow(/lost its lock/);
+    vi.restoreAllMocks();
+    expect(taken).toBe(true);
+    await expect(fs.stat(pool.layout.volumeFences(id))).rejects.toMatchObject({ code: 'ENOENT' });
+    expect(await volumes.lease(id, 'node-a')).toBeUndefined();
+    const dir = path.dirname(pool.layout.volumeFences(id));
+    expect((await fs.readdir(dir)).filter((n) => n.startsWith('.'))).toEqual([]);
+  });
+
   it('keeps the device a lease names, with its disk sequence number, until a stage names another', async () => {
     const { volumes, id } = await volumeOnQuickPool('lease-device');
     const lease = {
