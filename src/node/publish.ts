@@ -36,6 +36,7 @@ import {
   stagingLoop,
 } from './on-host.js';
 import { othersLoops, untouchable } from './neighbours.js';
+import { refuseNonDirectory } from './places.js';
 import { unmountIfOurs } from './stage.js';
 import { detachUnused } from './unstage.js';
 
@@ -159,6 +160,8 @@ export async function publishVolume(d: NodeDeps, x: Exec, r: PublishRequest): Pr
       await checkBindFlags(d, x, r.id, target, options);
     return;
   }
+  if (isBlock) await refuseNonDirectory(d, path.dirname(target), "target_path's directory");
+  else await refuseNonDirectory(d, target, 'target_path');
   if (otherFs !== undefined) {
     throw conflict(
       `Volume ${r.id} is staged at ${staging} as ${otherFs}; it cannot be published as ${r.cap.fsType}.`,

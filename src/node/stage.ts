@@ -19,6 +19,7 @@ import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
 import { filesystemOn } from './format.js';
+import { refuseNonDirectory } from './places.js';
 import { alreadyStaged, stillOpen } from './restage.js';
 import { checkAndGrowOffline, growMounted } from './grow.js';
 import {
@@ -118,7 +119,10 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // Nothing is mounted at a filesystem's staging path here (alreadyStaged saw to it). A raw block
   // staging mounts nothing there: at a path with a mount (another volume's staging), its unstage
   // would find that mount, not its own, for good.
-  if (r.cap.accessType === 'mount') await refuseHidingFiles(d, staging, 'staging_target_path');
+  if (r.cap.accessType === 'mount') {
+    await refuseNonDirectory(d, staging, 'staging_target_path');
+    await refuseHidingFiles(d, staging, 'staging_target_path');
+  }
   const there = on.mounts.filter((m) => m.mountPoint === staging).at(-1);
   if (there)
     throw conflict(

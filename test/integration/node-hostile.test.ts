@@ -6,7 +6,7 @@
  * filesystem is live in a mount namespace the plugin cannot see, re-stages with other mount flags, and
  * stats asked of another volume's path. Every test checks what must have stayed as it was.
  */
-import { execFileSync, spawn } from 'node:child_process';
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -498,6 +498,62 @@ describe.skipIf(!isRoot())('hostile node paths and a confused host', () => {
       code: 'FAILED_PRECONDITION',
       attachedC: '',
       unstagedB: 'OK',
+    });
+  });
+
+  it('refuses a staging or target path that is not a directory (a file, below a file, a pipe) before anything is attached or formatted', async () => {
+    const fsCap = mountCap('ext4');
+    const { id, image } = await createVolume(d, 'not-a-dir', fsCap, 32 * MiB);
+    await fs.writeFile(p('a-file'), 'keep');
+    sh('mkfifo', [p('a-pipe')]);
+    const attached = () => sh('losetup', ['--noheadings', '--output', 'NAME', '--associated', image]).trim();
+    // Straight to the driver: the helper would make the staging directory first, as a CO does.
+    const stageAt = (staging: string) =>
+      codeOf(
+        d.clients.node.NodeStageVolume({
+          volume_id: id,
+          staging_target_path: staging,
+          volume_capability: fsCap,
+        }),
+      );
+    const stages = {
+      file: await stageAt(p('a-file')),
+      belowFile: await stageAt(p('a-file', 'st')),
+      pipe: await stageAt(p('a-pipe')),
+    };
+    // Nothing was attached, and the blank image was never formatted (blkid finds nothing: status 2).
+    const after = { attached: attached(), blkid: spawnSync('blkid', ['-p', image]).status };
+    await stage(d, id, p('nd-st'), fsCap);
+    const publishAt = (vid: string, staging: string, target: string, c: typeof fsCap) =>
+      codeOf(
+        d.clients.node.NodePublishVolume({
+          volume_id: vid,
+          staging_target_path: staging,
+          target_path: target,
+          volume_capability: c,
+        }),
+      );
+    const publishes = {
+      file: await publishAt(id, p('nd-st'), p('a-file'), fsCap),
+      belowFile: await publishAt(id, p('nd-st'), p('a-file', 'mnt'), fsCap),
+    };
+    const raw = await createVolume(d, 'not-a-dir-raw', blockCap(), 16 * MiB);
+    await stage(d, raw.id, p('nd-raw-st'), blockCap());
+    const blockBelowFile = await publishAt(raw.id, p('nd-raw-st'), p('a-file', 'dev'), blockCap());
+    await unstage(raw.id, p('nd-raw-st'));
+    await unstage(id, p('nd-st'));
+    expect({
+      stages,
+      after,
+      publishes,
+      blockBelowFile,
+      file: await fs.readFile(p('a-file'), 'utf8'),
+    }).toEqual({
+      stages: { file: 'FAILED_PRECONDITION', belowFile: 'FAILED_PRECONDITION', pipe: 'FAILED_PRECONDITION' },
+      after: { attached: '', blkid: 2 },
+      publishes: { file: 'FAILED_PRECONDITION', belowFile: 'FAILED_PRECONDITION' },
+      blockBelowFile: 'FAILED_PRECONDITION',
+      file: 'keep',
     });
   });
 
