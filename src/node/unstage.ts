@@ -91,11 +91,15 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
   }
   const held = ours.find((l) => fenced.has(l.path));
   if (held) {
-    // Unmounted; its frozen superblock keeps the device until the node reboots.
-    await detachUnused(d, x, ours, table).catch(() => undefined);
-    throw fencedError(r.id, held.path);
-  }
-  await detachUnused(d, x, ours, table);
+    // Unmounted; its frozen superblock keeps the device until the node reboots, unless someone thawed
+    // it by hand: then the device is gone as well, and nothing of the volume is left here to refuse for.
+    const released = await detachUnused(d, x, ours, table).then(
+      () => true,
+      () => false,
+    );
+    if (!released) throw fencedError(r.id, held.path);
+    x.log.warn({ device: held.path }, 'a device this node froze for good was thawed by hand; it is detached');
+  } else await detachUnused(d, x, ours, table);
   const spared = on.loops.filter((l) => others.has(l.name) && !table.some((m) => loopOfMount(m, [l])));
   if (spared.length > 0) {
     x.log.info(

@@ -94,6 +94,20 @@ describe('the fence guard', () => {
     expect(w.host.frozen.has('/dev/loop0')).toBe(true);
   });
 
+  it('unstages a fence an operator thawed by hand while it was still mounted: nothing of it is left to refuse for', async () => {
+    const { w, id } = await takenFromNode();
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round(); // frozen for good
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    w.host.frozen.delete('/dev/loop0'); // fsfreeze --unfreeze by hand
+    expect(await codeOf(unstage(w, id))).toBe('OK');
+    expect({ attached: [...w.host.attached.keys()], mounts: w.host.table }).toEqual({
+      attached: [],
+      mounts: [],
+    });
+  });
+
   it('still freezes a writable mount of a volume released without its word (seen silent, or by an operator)', async () => {
     const { w, id } = await takenFromNode();
     await w.volumes.markFenced(id, NODE, 'released by an operator');
