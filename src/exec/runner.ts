@@ -28,6 +28,13 @@ export interface RunOptions {
    * retry copies again.
    */
   diesWithProcess?: boolean;
+  /**
+   * A query that changes nothing: when its process outlives its kill (stuck in the kernel on a
+   * filesystem that does not answer, where SIGKILL waits), it is left behind and the run fails as timed
+   * out, instead of waiting for as long as that filesystem hangs. Never for a command that changes
+   * anything: what it does after the caller gave up would race the caller's undo.
+   */
+  abandonable?: boolean;
 }
 
 export interface RunResult {
@@ -198,6 +205,23 @@ export function commandFailure(
 }
 
 const DEFAULT_TIMEOUT_MS = 60_000;
+/** How long past its timeout an abandonable query is waited for: its kill (forceKillAfterDelay 2 s), and a margin. */
+const ABANDON_AFTER_MS = 5_000;
+
+/** `child`'s result, or 'abandoned' when it has not ended `ms` from now. */
+async function abandonedAfter<T>(child: Promise<T>, ms: number): Promise<T | 'abandoned'> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<'abandoned'>((resolve) => {
+    timer = setTimeout(() => {
+      resolve('abandoned');
+    }, ms);
+  });
+  try {
+    return await Promise.race([child, late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
 /** Leave the RPC this much time to roll back after a command it ran timed out. */
 const DEADLINE_MARGIN_MS = 500;
 
@@ -228,7 +252,7 @@ export class ExecRunner implements Runner {
     const [file, argv] = options.diesWithProcess
       ? ['setpriv', ['--pdeathsig', 'KILL', '--', command, ...args]]
       : [command, args];
-    const result = await execa(file, argv, {
+    const child = execa(file, argv, {
       reject: false,
       timeout,
       cancelSignal: signals.length > 1 ? AbortSignal.any(signals) : signals[0],
@@ -242,6 +266,24 @@ export class ExecRunner implements Runner {
       input: options.input,
       stdin: options.input === undefined ? 'ignore' : 'pipe',
     });
+    const result = options.abandonable
+      ? await abandonedAfter(child, timeout + ABANDON_AFTER_MS)
+      : await child;
+    if (result === 'abandoned') {
+      child.catch(() => undefined);
+      scope.log.warn(
+        { command, args, pid: child.pid },
+        'a command outlived its kill (stuck in the kernel); left behind',
+      );
+      throw new CommandError(
+        command,
+        args,
+        undefined,
+        '',
+        'timeout',
+        `${command} timed out after ${timeout} ms and could not be killed`,
+      );
+    }
     const ms = Math.round(performance.now() - started);
     const okCodes = options.okCodes ?? [0];
     if (!result.failed || (result.exitCode !== undefined && okCodes.includes(result.exitCode))) {

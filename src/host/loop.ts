@@ -23,7 +23,7 @@ import os from 'node:os';
 import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import { busy, errnoCode } from '../errors.js';
-import { CallStopped, CommandError, detached, type Exec } from '../exec/runner.js';
+import { CallStopped, CommandError, detached, type Exec, type RunOptions } from '../exec/runner.js';
 import { filesystemUnit, notAnImage, pinnedPath, withImage } from '../pool/images.js';
 import { freshReading, whileCalling } from './fresh.js';
 import { type FileId, sameFile } from './paths.js';
@@ -189,16 +189,16 @@ interface LosetupJson {
   loopdevices?: { name?: string; 'back-maj:min'?: string; 'back-ino'?: number | string }[];
 }
 
+/** A backing file on a filesystem that hung (anyone's, NFS or FUSE) holds losetup beyond its kill. */
+const LISTING: RunOptions = { timeoutMs: 30_000, quiet: true, abandonable: true };
+
 /** Backing identities of loop devices (all, or the one `device`), from losetup: one process for all. */
 async function backingIdentities(x: Exec, device?: string): Promise<Map<string, FileId>> {
   const out = new Map<string, FileId>();
   let stdout: string;
   try {
     const args = ['--list', '--json', '--output', 'NAME,BACK-MAJ:MIN,BACK-INO'];
-    ({ stdout } = await x.run('losetup', device ? [...args, device] : args, {
-      timeoutMs: 30_000,
-      quiet: true,
-    }));
+    ({ stdout } = await x.run('losetup', device ? [...args, device] : args, LISTING));
   } catch (err) {
     x.log.warn({ err }, "could not read loop devices' backing inodes; judging them by path only");
     return out;

@@ -69,6 +69,44 @@ describe('commands and the caller deadline', () => {
   });
 });
 
+describe('a query that outlives its kill', () => {
+  // A process stuck in the kernel (on a hung NFS or FUSE file) is not ended by SIGKILL. Here the
+  // command's child keeps its output open past the kill, so the run cannot end either.
+  const outliving = (tag: string): [string, string[]] => [
+    'sh',
+    ['-c', `sleep 20.${tag} & exec sleep 20.${tag}`],
+  ];
+  const stop = (tag: string) => spawn('pkill', ['-f', `sleep 20.${tag}`]);
+
+  it('is left behind when it may be (abandonable), and the run fails as timed out', async () => {
+    const x = bindExec(runner, { log });
+    const started = Date.now();
+    try {
+      const err = await failure(x.run(...outliving('51'), { timeoutMs: 200, abandonable: true }));
+      expect(err).toBeInstanceOf(CommandError);
+      expect((err as CommandError).reason).toBe('timeout');
+      expect(Date.now() - started).toBeLessThan(15_000);
+    } finally {
+      stop('51');
+    }
+  });
+
+  it('is waited for otherwise: a command that changes things is never raced by its caller', async () => {
+    const x = bindExec(runner, { log });
+    const run = x.run(...outliving('52'), { timeoutMs: 200 });
+    const settled = await Promise.race([
+      run.then(
+        () => 'ended',
+        () => 'ended',
+      ),
+      new Promise((r) => setTimeout(r, 8_000)).then(() => 'waiting'),
+    ]);
+    stop('52');
+    await run.catch(() => undefined);
+    expect(settled).toBe('waiting');
+  });
+});
+
 describe('why a command ended without an exit status', () => {
   const x = bindExec(runner, { log });
   it.each([
