@@ -91,7 +91,7 @@ export async function expandVolume(d: NodeDeps, x: Exec, r: ExpandRequest): Prom
   }
   if (r.requiredBytes > 0 && size < r.requiredBytes) {
     throw conflict(
-      `The disk image of volume ${r.id} is ${size} bytes, less than the ${r.requiredBytes} asked for; expand it with ControllerExpandVolume first.`,
+      `The disk image of volume ${r.id} is ${size} bytes, less than the ${r.requiredBytes} asked for; expand it with ControllerExpandVolume first, or retry if that was just done (a shared pool's client may show the old size for a while).`,
     );
   }
   if (isDeviceBind(top)) return size;
