@@ -23,6 +23,7 @@ import { type FencedEntry, HEARTBEAT_MS } from '../pool/nodes.js';
 import type { Pool } from '../pool/pool.js';
 import { telemetry } from '../telemetry.js';
 import {
+  fencedDevices,
   isDeviceBind,
   isFencedIn,
   isThisPoolsVolume,
@@ -41,6 +42,23 @@ export interface KeyLocks {
 
 /** The key node calls on a volume hold (and freezes, and fencing). */
 export const nodeKey = (volumeId: string): string => `node:${volumeId}`;
+
+/**
+ * A device this node froze for good for volume `id` in this boot: attached still, or released since (its
+ * filesystem thawed by hand). Either way the volume is not staged here again before a reboot: the
+ * guard would take the device the next attach of the image gets, the same number and file, for the
+ * fence it recorded, and confirm a fence without freezing anything.
+ */
+export async function fencedThisBoot(
+  d: NodeDeps,
+  id: string,
+  loops: readonly LoopDevice[],
+): Promise<string | undefined> {
+  const [attached] = await fencedDevices(d, id, loops);
+  if (attached) return attached;
+  const entries = await d.nodes.fenced(d.nodeId, d.bootId);
+  return entries === 'unreadable' ? undefined : entries.find((e) => e.volumeId === id)?.device;
+}
 
 export class FenceGuard {
   private fenced: FencedEntry[] | 'unreadable' = [];
@@ -75,8 +93,14 @@ export class FenceGuard {
     await this.d.nodes.heartbeat(this.d.nodeId);
   }
 
-  isFenced(loop: LoopDevice): boolean {
-    return isFencedIn(this.fenced, loop);
+  /**
+   * Whether `loop` is a fence this node recorded: of volume `volumeId` when given (to skip freezing it,
+   * so a device number another volume's fence once had never counts), of any volume otherwise (to
+   * never thaw it).
+   */
+  isFenced(loop: LoopDevice, volumeId?: string): boolean {
+    const f = this.fenced;
+    return isFencedIn(f === 'unreadable' || !volumeId ? f : f.filter((e) => e.volumeId === volumeId), loop);
   }
 
   run(): void {
@@ -162,7 +186,7 @@ export class FenceGuard {
       }
       // Fenced by this node's own record: an unreadable record proves nothing here (every filesystem
       // writable is frozen again, and nothing is confirmed until the record is repaired).
-      const recorded = (l: LoopDevice): boolean => this.fenced !== 'unreadable' && isFencedIn(this.fenced, l);
+      const recorded = (l: LoopDevice): boolean => this.fenced !== 'unreadable' && this.isFenced(l, id);
       let froze = 0;
       let hidden: LoopDevice | undefined;
       for (const loop of loops) {

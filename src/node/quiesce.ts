@@ -279,7 +279,8 @@ export class QuiesceAgent {
         // A filesystem holding a device of the volume with no mount this plugin can see (mounted in a
         // mount namespace that outlived the host's mounts) may be written, and cannot be frozen.
         for (const l of mine) {
-          if (l.readOnly || this.guard.isFenced(l) || on.mounts.some((m) => loopOfMount(m, [l]))) continue;
+          if (l.readOnly || this.guard.isFenced(l, r.volumeId) || on.mounts.some((m) => loopOfMount(m, [l])))
+            continue;
           if (await this.d.host.claimed(l.path)) {
             return answer(
               'failed',
@@ -292,7 +293,7 @@ export class QuiesceAgent {
       const wloop = mine.find((l) => l.path === writable.source);
       if (!wloop) return answer('not-staged', 'not mounted for writing on this node');
       // Fenced: frozen for good already, which is frozen enough for any copy (and never thawed).
-      if (this.guard.isFenced(wloop)) return answer('frozen', 'frozen for good (fenced)');
+      if (this.guard.isFenced(wloop, r.volumeId)) return answer('frozen', 'frozen for good (fenced)');
       const frozen: Frozen = {
         request: r,
         release: got,

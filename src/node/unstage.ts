@@ -98,7 +98,10 @@ export async function unstageVolume(d: NodeDeps, x: Exec, r: UnstageRequest): Pr
       () => false,
     );
     if (!released) throw fencedError(r.id, held.path);
-    x.log.warn({ device: held.path }, 'a device this node froze for good was thawed by hand; it is detached');
+    x.log.warn(
+      { device: held.path },
+      'a device this node froze for good was released (its filesystem thawed by hand); it is detached',
+    );
   } else await detachUnused(d, x, ours, table);
   const spared = on.loops.filter((l) => others.has(l.name) && !table.some((m) => loopOfMount(m, [l])));
   if (spared.length > 0) {

@@ -12,6 +12,7 @@ import { QuiesceAgent } from '../../src/node/quiesce.js';
 import { QuiesceBoard, type QuiesceRequest } from '../../src/pool/quiesce.js';
 import { Turns } from '../../src/pool/turns.js';
 import { InFlight } from '../../src/server/inflight.js';
+import type { LoopDevice } from '../../src/host/host.js';
 import { commandError, FakeHost } from '../helpers/fake-host.js';
 import {
   attachTo,
@@ -106,6 +107,35 @@ describe('the fence guard', () => {
       attached: [],
       mounts: [],
     });
+    // Not staged here again before a reboot, even published here again: its next device would have the
+    // number and the file of the fence on record, which the guard would take for that fence.
+    await attachTo(w, id);
+    const from = w.host.ops.length;
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+    expect(w.host.ops.slice(from)).toEqual([]);
+  });
+
+  it("counts a device as a volume's fence only by that volume's entries when it skips freezing or a copy's freeze", async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await stage(w, id);
+    const guard = guardOf(w);
+    const entry = {
+      volumeId: 'vol-other',
+      device: '/dev/loop0',
+      backingDev: '',
+      backingIno: '',
+      bootId: w.d.bootId,
+      at: 'x',
+    };
+    await w.d.nodes.setFenced(NODE, [entry]);
+    await guard.prepare();
+    const loop = { ...(w.host.attached.get('loop0') as LoopDevice), backing: undefined }; // unknown identity: by path
+    expect([guard.isFenced(loop, id), guard.isFenced(loop, 'vol-other'), guard.isFenced(loop)]).toEqual([
+      false,
+      true,
+      true,
+    ]);
   });
 
   it('still freezes a writable mount of a volume released without its word (seen silent, or by an operator)', async () => {
