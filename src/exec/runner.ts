@@ -208,6 +208,9 @@ const DEFAULT_TIMEOUT_MS = 60_000;
 /** How long past its timeout an abandonable query is waited for: its kill (forceKillAfterDelay 2 s), and a margin. */
 const ABANDON_AFTER_MS = 5_000;
 
+/** The abandonable commands (command and arguments) left behind that have not ended yet. */
+const stuck = new Set<string>();
+
 /** `child`'s result, or 'abandoned' when it has not ended `ms` from now. */
 async function abandonedAfter<T>(child: Promise<T>, ms: number): Promise<T | 'abandoned'> {
   let timer: NodeJS.Timeout | undefined;
@@ -222,6 +225,7 @@ async function abandonedAfter<T>(child: Promise<T>, ms: number): Promise<T | 'ab
     clearTimeout(timer);
   }
 }
+
 /** Leave the RPC this much time to roll back after a command it ran timed out. */
 const DEADLINE_MARGIN_MS = 500;
 
@@ -247,6 +251,18 @@ export class ExecRunner implements Runner {
     const signals = [options.detached ? undefined : scope.signal, options.signal].filter(
       (x): x is AbortSignal => x !== undefined,
     );
+    // One left behind and still stuck: another would only join it (and each holds a process slot).
+    const key = `${command}\0${args.join('\0')}`;
+    if (options.abandonable && stuck.has(key)) {
+      throw new CommandError(
+        command,
+        args,
+        undefined,
+        '',
+        'timeout',
+        `${command} is still stuck from an earlier run`,
+      );
+    }
     keepExitHandlers();
     const started = performance.now();
     const [file, argv] = options.diesWithProcess
@@ -270,11 +286,16 @@ export class ExecRunner implements Runner {
       ? await abandonedAfter(child, timeout + ABANDON_AFTER_MS)
       : await child;
     if (result === 'abandoned') {
-      child.catch(() => undefined);
+      stuck.add(key);
+      child.then(
+        () => stuck.delete(key),
+        () => stuck.delete(key),
+      );
       scope.log.warn(
         { command, args, pid: child.pid },
         'a command outlived its kill (stuck in the kernel); left behind',
       );
+      if (timeout < limit && callers) throw new CallStopped('deadline');
       throw new CommandError(
         command,
         args,

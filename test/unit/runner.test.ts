@@ -4,7 +4,7 @@
  * once, it may still have done its work). Either way the answer is the deadline's, not a failed
  * command's. A command's own, shorter limit is its own failure.
  */
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import os from 'node:os';
@@ -78,7 +78,7 @@ describe('a query that outlives its kill', () => {
   ];
   const stop = (tag: string) => spawn('pkill', ['-f', `sleep 20.${tag}`]);
 
-  it('is left behind when it may be (abandonable), and the run fails as timed out', async () => {
+  it('is left behind when it may be (abandonable), the run failing as timed out, and not started again while stuck', async () => {
     const x = bindExec(runner, { log });
     const started = Date.now();
     try {
@@ -86,6 +86,9 @@ describe('a query that outlives its kill', () => {
       expect(err).toBeInstanceOf(CommandError);
       expect((err as CommandError).reason).toBe('timeout');
       expect(Date.now() - started).toBeLessThan(15_000);
+      const again = await failure(x.run(...outliving('51'), { timeoutMs: 200, abandonable: true }));
+      expect((again as CommandError).message).toMatch(/still stuck from an earlier run/);
+      expect(execFileSync('pgrep', ['-fc', 'sleep 20.51'], { encoding: 'utf8' }).trim()).toBe('1'); // the first one's child only
     } finally {
       stop('51');
     }
