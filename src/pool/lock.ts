@@ -5,7 +5,8 @@
  * A lock is a file created with link(2), so it appears complete or not at all, even over NFS. It names
  * its owner. A lock whose owner is gone is broken and taken over:
  *  - an owner on this host (same boot id and pid namespace) is gone when its process is, which makes a
- *    kill -9 recoverable at once;
+ *    kill -9 recoverable at once; one naming this very process is gone unless it holds that lock now
+ *    (a release whose removal failed, the pool not answering, left it);
  *  - the owner's successor (a node plugin restarted in a new container on the same host, which names
  *    itself by the same role) knows its predecessor is gone, and takes over at once;
  *  - an owner elsewhere refreshes the lock file (its mtime, and so its ctime) while it holds it. Clocks
@@ -332,7 +333,7 @@ export class LockManager {
           } catch (err) {
             this.log.warn(
               { lock: file, err },
-              'could not read a pool lock to remove it; the next call that needs it takes it over',
+              'could not read a pool lock to remove it; the next call of this process that needs it takes it over',
             );
             return;
           }
