@@ -14,6 +14,7 @@
  * snapshot): a reboot ends it. Only this node's own freezes count: a filesystem someone else froze
  * (EBUSY) is frozen again by this node once they thaw it, before anything is confirmed.
  */
+import { conflict } from '../errors.js';
 import { detached, type Exec, bindExec, type Runner } from '../exec/runner.js';
 import type { LoopDevice } from '../host/host.js';
 import { backingName } from '../host/loop.js';
@@ -24,6 +25,7 @@ import type { Pool } from '../pool/pool.js';
 import { telemetry } from '../telemetry.js';
 import {
   fencedDevices,
+  fencedError,
   isDeviceBind,
   isFencedIn,
   isThisPoolsVolume,
@@ -44,20 +46,22 @@ export interface KeyLocks {
 export const nodeKey = (volumeId: string): string => `node:${volumeId}`;
 
 /**
- * A device this node froze for good for volume `id` in this boot: attached still, or released since (its
- * filesystem thawed by hand). Either way the volume is not staged here again before a reboot: the
- * guard would take the device the next attach of the image gets, the same number and file, for the
- * fence it recorded, and confirm a fence without freezing anything.
+ * Refuses to stage volume `id` on this node when a device of it was frozen for good here in this boot:
+ * attached still, or released since (its filesystem thawed by hand). The guard would take the device
+ * the next attach of the image gets (the same number and file) for the fence it recorded, and confirm
+ * a fence without freezing anything. A record that cannot be read may hold such a device: refused too.
  */
-export async function fencedThisBoot(
-  d: NodeDeps,
-  id: string,
-  loops: readonly LoopDevice[],
-): Promise<string | undefined> {
+export async function refuseFencedHere(d: NodeDeps, id: string, loops: readonly LoopDevice[]): Promise<void> {
   const [attached] = await fencedDevices(d, id, loops);
-  if (attached) return attached;
+  if (attached) throw fencedError(id, attached);
   const entries = await d.nodes.fenced(d.nodeId, d.bootId);
-  return entries === 'unreadable' ? undefined : entries.find((e) => e.volumeId === id)?.device;
+  if (entries === 'unreadable') {
+    throw conflict(
+      `This node's record of the filesystems it froze for good (nodes/${d.nodeId}.fenced in the pool) cannot be read, so volume ${id} is not staged here until it is repaired.`,
+    );
+  }
+  const released = entries.find((e) => e.volumeId === id);
+  if (released) throw fencedError(id, released.device);
 }
 
 export class FenceGuard {
@@ -247,6 +251,10 @@ export class FenceGuard {
         froze > 0 || loops.some(recorded)
           ? 'froze its filesystem for good'
           : 'nothing of it was writable here';
+      // A fence frozen in an earlier round whose record could not be written then: written before it
+      // is confirmed (a stage here reads that file, and would otherwise take the device for a leftover).
+      if (froze === 0 && this.fenced !== 'unreadable' && loops.some(recorded))
+        await this.d.nodes.setFenced(this.d.nodeId, this.fenced);
       if (!releasedByOthers)
         await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
       await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false);
@@ -268,7 +276,7 @@ export async function thawLeftovers(d: NodeDeps, x: Exec, guard: FenceGuard): Pr
   let thawed = 0;
   for (const loop of loops) {
     const id = volumeIdShown(loop);
-    if (!id || guard.isFenced(loop) || !(await isThisPoolsVolume(d, loop, id))) continue;
+    if (!id || guard.isFenced(loop, id) || !(await isThisPoolsVolume(d, loop, id))) continue;
     // This node's lease, revoked or not: a volume taken from this node is not fenced until the guard
     // freezes it, which it cannot do to a filesystem still frozen by a predecessor (EBUSY). One it has
     // confirmed is never thawed (another node may use it now).

@@ -337,7 +337,7 @@ export class QuiesceAgent {
   /** Thaws; a thaw that fails keeps the volume's key and is tried again every round. */
   private async thaw(f: Frozen, state: 'thawed' | 'expired' | 'failed'): Promise<void> {
     this.frozen.delete(f.request.requestId);
-    if (this.guard.isFenced(f.loop)) {
+    if (this.guard.isFenced(f.loop, f.request.volumeId)) {
       // Fenced while frozen for the copy: it stays frozen.
       this.stuck.delete(f.device);
       f.release();

@@ -18,7 +18,7 @@ import { mountErrorLine } from '../host/mounts.js';
 import { type Capability, type FsType, isReaderOnly, type Lease } from '../pool/types.js';
 import { sideBySide } from '../pool/fsutil.js';
 import type { Initialization } from '../pool/volumes.js';
-import { fencedThisBoot } from './fence.js';
+import { refuseFencedHere } from './fence.js';
 import { filesystemOn } from './format.js';
 import { refuseNonDirectory } from './places.js';
 import { alreadyStaged, stillOpen } from './restage.js';
@@ -27,7 +27,6 @@ import {
   callerPath,
   checkTargetPlace,
   classifyAt,
-  fencedError,
   heldReadOnly,
   isDeviceBind,
   isSymlinkPath,
@@ -111,8 +110,7 @@ export async function stageVolume(d: NodeDeps, x: Exec, r: StageRequest): Promis
   // leaseView); one that may be it never gets a second device of the image beside it.
   const { on, doubtful } = await leaseView(d, seen);
   refuseDoubtful(r.id, doubtful, 'staged');
-  const fenced = await fencedThisBoot(d, r.id, on.loops);
-  if (fenced) throw fencedError(r.id, fenced);
+  await refuseFencedHere(d, r.id, on.loops);
   const ownLease = await d.volumes.lease(r.id, d.nodeId);
   if (await alreadyStaged(d, x, on, r, staging, { readOnly, published }, ownLease)) return;
   checkTargetPlace(on, staging, { field: 'staging_target_path', kubeletDir: d.kubeletDir });

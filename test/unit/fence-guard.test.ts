@@ -5,6 +5,7 @@
  * and that a freeze for a copy always ends.
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import { afterAll, describe, expect, it, vi } from 'vitest';
 import { type FenceGuard as Guard, FenceGuard, nodeKey, thawLeftovers } from '../../src/node/fence.js';
 import { expandVolume } from '../../src/node/grow.js';
@@ -113,6 +114,56 @@ describe('the fence guard', () => {
     const from = w.host.ops.length;
     expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
     expect(w.host.ops.slice(from)).toEqual([]);
+  });
+
+  it('confirms a fence whose record could not be written when it froze only once that record is written', async () => {
+    const { w, id } = await takenFromNode();
+    const guard = guardOf(w);
+    await guard.prepare();
+    const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
+    let fail = true;
+    w.d.nodes.setFenced = async (node, entries) => {
+      if (fail) {
+        fail = false;
+        throw new Error('ENOSPC: no space left on device');
+      }
+      await setFenced(node, entries);
+    };
+    await guard.round(); // frozen; its record not written
+    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toEqual([]);
+    await guard.round();
+    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toMatchObject([{ volumeId: id, device: '/dev/loop0' }]);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
+  });
+
+  it('stages nothing while the record of fenced filesystems cannot be read', async () => {
+    const w = await world();
+    const { id } = await newVolume(w);
+    await fs.mkdir(path.dirname(w.pool.layout.nodeFenced(NODE)), { recursive: true });
+    await fs.writeFile(w.pool.layout.nodeFenced(NODE), 'not json');
+    expect(await codeOf(stage(w, id))).toBe('FAILED_PRECONDITION');
+    expect(w.host.ops).toEqual([]);
+  });
+
+  it("freezes a volume taken from this node on a device number another volume's fence had (identities unknown: by path)", async () => {
+    const { w, id } = await takenFromNode();
+    w.host.identityReadable = false;
+    const other = {
+      volumeId: 'vol-other',
+      device: '/dev/loop0',
+      backingDev: '',
+      backingIno: '',
+      bootId: w.d.bootId,
+      at: 'x',
+    };
+    await w.d.nodes.setFenced(NODE, [other]);
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round();
+    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
   });
 
   it("counts a device as a volume's fence only by that volume's entries when it skips freezing or a copy's freeze", async () => {
