@@ -208,8 +208,8 @@ const DEFAULT_TIMEOUT_MS = 60_000;
 /** How long past its timeout an abandonable query is waited for: its kill (forceKillAfterDelay 2 s), and a margin. */
 const ABANDON_AFTER_MS = 5_000;
 
-/** The abandonable commands (command and arguments) left behind that have not ended yet. */
-const stuck = new Set<string>();
+/** Abandonable commands (command and arguments) left behind and not ended yet: how many of each. */
+const stuck = new Map<string, number>();
 
 /** `child`'s result, or 'abandoned' when it has not ended `ms` from now. */
 async function abandonedAfter<T>(child: Promise<T>, ms: number): Promise<T | 'abandoned'> {
@@ -253,16 +253,9 @@ export class ExecRunner implements Runner {
     );
     // One left behind and still stuck: another would only join it (and each holds a process slot).
     const key = `${command}\0${args.join('\0')}`;
-    if (options.abandonable && stuck.has(key)) {
-      throw new CommandError(
-        command,
-        args,
-        undefined,
-        '',
-        'timeout',
-        `${command} is still stuck from an earlier run`,
-      );
-    }
+    const stuckError = (why: string) => new CommandError(command, args, undefined, '', 'timeout', why);
+    if (options.abandonable && stuck.has(key))
+      throw stuckError(`${command} is still stuck from an earlier run`);
     keepExitHandlers();
     const started = performance.now();
     const [file, argv] = options.diesWithProcess
@@ -286,24 +279,19 @@ export class ExecRunner implements Runner {
       ? await abandonedAfter(child, timeout + ABANDON_AFTER_MS)
       : await child;
     if (result === 'abandoned') {
-      stuck.add(key);
-      child.then(
-        () => stuck.delete(key),
-        () => stuck.delete(key),
-      );
+      stuck.set(key, (stuck.get(key) ?? 0) + 1);
+      const ended = (): void => {
+        const left = (stuck.get(key) ?? 1) - 1;
+        if (left > 0) stuck.set(key, left);
+        else stuck.delete(key);
+      };
+      child.then(ended, ended);
       scope.log.warn(
         { command, args, pid: child.pid },
         'a command outlived its kill (stuck in the kernel); left behind',
       );
       if (timeout < limit && callers) throw new CallStopped('deadline');
-      throw new CommandError(
-        command,
-        args,
-        undefined,
-        '',
-        'timeout',
-        `${command} timed out after ${timeout} ms and could not be killed`,
-      );
+      throw stuckError(`${command} timed out after ${timeout} ms and could not be killed`);
     }
     const ms = Math.round(performance.now() - started);
     const okCodes = options.okCodes ?? [0];

@@ -355,18 +355,21 @@ describe('work under a lock that is lost', () => {
     await expect(fs.stat(pool.layout.volumeDir(id))).rejects.toMatchObject({ code: 'ENOENT' });
   });
 
+  /** node-a's lease of a filesystem staged at /staging. */
+  const stagingLease = () => ({
+    node: 'node-a',
+    stagingPath: '/staging',
+    accessType: 'mount' as const,
+    mode: 'SINGLE_NODE_WRITER' as const,
+    readonly: false,
+    since: new Date().toISOString(),
+  });
+
   it('writes no fence record from what it read before the lock was lost (another process may have changed it)', async () => {
     const { pool, volumes, id, lockFile, lockTakenOver } = await volumeOnQuickPool('lost-fence');
     const mustGet = volumes.mustGet.bind(volumes);
     vi.spyOn(volumes, 'mustGet').mockImplementationOnce((vid) => lockTakenOver(() => mustGet(vid)));
-    const lease = {
-      node: 'node-a',
-      stagingPath: '/staging',
-      accessType: 'mount' as const,
-      mode: 'SINGLE_NODE_WRITER' as const,
-      readonly: false,
-      since: new Date().toISOString(),
-    };
+    const lease = stagingLease();
     await expect(volumes.takeLease(id, lease)).rejects.toThrow(/lost its lock/);
     await expect(fs.stat(pool.layout.volumeFences(id))).rejects.toMatchObject({ code: 'ENOENT' });
     // With the lock held, the same call writes it.
@@ -388,14 +391,7 @@ describe('work under a lock that is lost', () => {
       }
       return open(file, ...rest);
     });
-    const lease = {
-      node: 'node-a',
-      stagingPath: '/staging',
-      accessType: 'mount' as const,
-      mode: 'SINGLE_NODE_WRITER' as const,
-      readonly: false,
-      since: new Date().toISOString(),
-    };
+    const lease = stagingLease();
     await expect(volumes.takeLease(id, lease)).rejects.toThrow(/lost its lock/);
     vi.restoreAllMocks();
     expect(taken).toBe(true);
