@@ -15,7 +15,7 @@
  * (EBUSY) is frozen again by this node once they thaw it, before anything is confirmed.
  */
 import { conflict } from '../errors.js';
-import { detached, type Exec, bindExec, type Runner } from '../exec/runner.js';
+import { CommandError, detached, type Exec, bindExec, type Runner } from '../exec/runner.js';
 import type { LoopDevice } from '../host/host.js';
 import { backingName } from '../host/loop.js';
 import type { Logger } from '../log.js';
@@ -24,7 +24,6 @@ import { type FencedEntry, HEARTBEAT_MS } from '../pool/nodes.js';
 import type { Pool } from '../pool/pool.js';
 import { telemetry } from '../telemetry.js';
 import {
-  fencedDevices,
   fencedError,
   isDeviceBind,
   isFencedIn,
@@ -52,16 +51,15 @@ export const nodeKey = (volumeId: string): string => `node:${volumeId}`;
  * a fence without freezing anything. A record that cannot be read may hold such a device: refused too.
  */
 export async function refuseFencedHere(d: NodeDeps, id: string, loops: readonly LoopDevice[]): Promise<void> {
-  const [attached] = await fencedDevices(d, id, loops);
-  if (attached) throw fencedError(id, attached);
   const entries = await d.nodes.fenced(d.nodeId, d.bootId);
   if (entries === 'unreadable') {
     throw conflict(
       `This node's record of the filesystems it froze for good (nodes/${d.nodeId}.fenced in the pool) cannot be read, so volume ${id} is not staged here until it is repaired.`,
     );
   }
-  const released = entries.find((e) => e.volumeId === id);
-  if (released) throw fencedError(id, released.device);
+  const mine = entries.filter((e) => e.volumeId === id);
+  const fenced = loops.find((l) => isFencedIn(mine, l))?.path ?? mine[0]?.device;
+  if (fenced) throw fencedError(id, fenced);
 }
 
 export class FenceGuard {
@@ -72,6 +70,8 @@ export class FenceGuard {
   private stopped = false;
   private readonly x: Exec;
   private readonly warned = new Set<string>();
+  /** Filesystems this guard froze whose record could not be written yet, by "<volume> <device>". */
+  private readonly unsaved = new Map<string, FencedEntry>();
 
   constructor(
     private readonly d: NodeDeps,
@@ -150,6 +150,8 @@ export class FenceGuard {
 
   /** Settles every volume taken from this node (the heartbeat has a timer of its own, see run). */
   async round(): Promise<void> {
+    // Repaired since it could not be read: this boot's fences are known again.
+    if (this.fenced === 'unreadable') this.fenced = await this.d.nodes.fenced(this.d.nodeId, this.d.bootId);
     for (const id of await this.d.nodes.revocations(this.d.nodeId)) {
       await this.settle(id).catch((err: unknown) => {
         this.log.error({ volumeId: id, err }, 'could not settle a volume taken from this node; trying again');
@@ -207,10 +209,15 @@ export class FenceGuard {
           continue;
         }
         // Our own freeze, or none: a filesystem frozen by someone else says busy, and is frozen by
-        // this node once they thaw it.
-        await this.d.host.freeze(this.x, writable.mountPoint);
+        // this node once they thaw it. One this guard froze but could not record says busy too: still
+        // frozen, it is recorded now.
+        const key = `${id} ${loop.path}`;
+        const pending = this.unsaved.get(key);
+        await this.d.host.freeze(this.x, writable.mountPoint).catch((err: unknown) => {
+          if (!pending || !(err instanceof CommandError && /busy/i.test(err.stderr))) throw err;
+        });
         if (this.fenced === 'unreadable') throw new Error('the record of fenced filesystems cannot be read');
-        const entry: FencedEntry = {
+        const entry: FencedEntry = pending ?? {
           volumeId: id,
           device: loop.path,
           backingDev: loop.backing?.dev ?? '',
@@ -218,9 +225,13 @@ export class FenceGuard {
           bootId: this.d.bootId,
           at: new Date().toISOString(),
         };
-        telemetry.froze('fence');
-        this.fenced = [...this.fenced, entry];
-        await this.d.nodes.setFenced(this.d.nodeId, this.fenced);
+        if (!pending) telemetry.froze('fence');
+        this.unsaved.set(key, entry);
+        // Counted as a fence only once written: what confirms it is the file a stage here reads.
+        const next = [...this.fenced, entry];
+        await this.d.nodes.setFenced(this.d.nodeId, next);
+        this.fenced = next;
+        this.unsaved.delete(key);
         froze++;
         this.log.error(
           { volumeId: id, device: loop.path, mountPoint: writable.mountPoint },
@@ -251,10 +262,6 @@ export class FenceGuard {
         froze > 0 || loops.some(recorded)
           ? 'froze its filesystem for good'
           : 'nothing of it was writable here';
-      // A fence frozen in an earlier round whose record could not be written then: written before it
-      // is confirmed (a stage here reads that file, and would otherwise take the device for a leftover).
-      if (froze === 0 && this.fenced !== 'unreadable' && loops.some(recorded))
-        await this.d.nodes.setFenced(this.d.nodeId, this.fenced);
       if (!releasedByOthers)
         await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
       await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false);

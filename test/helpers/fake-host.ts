@@ -456,7 +456,9 @@ export class FakeHost implements Host {
 
   async freeze(_x: Exec, mountPoint: string): Promise<void> {
     const top = this.mountsAt(mountPoint).at(-1);
-    await this.act(`freeze ${mountPoint}`, top ? '' : 'not a mount point');
+    // Frozen already (by anyone): the kernel says busy.
+    const refusal = !top ? 'not a mount point' : this.frozen.has(top.source) ? 'Device or resource busy' : '';
+    await this.act(`freeze ${mountPoint}`, refusal);
     if (top) this.frozen.add(top.source);
   }
 

@@ -20,6 +20,7 @@ import {
   codeOf,
   during,
   log,
+  must,
   newVolume,
   noCommands,
   NODE,
@@ -51,6 +52,16 @@ async function takenFromNode(over = {}) {
 
 const guardOf = (w: World, keys = new InFlight()): FenceGuard =>
   new FenceGuard(w.d, w.pool, keys, noCommands, log);
+
+/** Another volume's fence on /dev/loop0 in this boot, its backing identity unknown (matched by path). */
+const otherVolumesFence = (w: World) => ({
+  volumeId: 'vol-other',
+  device: '/dev/loop0',
+  backingDev: '',
+  backingIno: '',
+  bootId: w.d.bootId,
+  at: 'x',
+});
 
 /** NODE's revoked lease on `id`. */
 async function revoked(w: World, id: string) {
@@ -116,26 +127,31 @@ describe('the fence guard', () => {
     expect(w.host.ops.slice(from)).toEqual([]);
   });
 
-  it('confirms a fence whose record could not be written when it froze only once that record is written', async () => {
+  it('confirms a fence only once its record is written, the filesystem frozen then (a thaw meanwhile: frozen again)', async () => {
     const { w, id } = await takenFromNode();
     const guard = guardOf(w);
     await guard.prepare();
     const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
-    let fail = true;
+    let failures = 2;
     w.d.nodes.setFenced = async (node, entries) => {
-      if (fail) {
-        fail = false;
-        throw new Error('ENOSPC: no space left on device');
-      }
+      if (failures-- > 0) throw new Error('ENOSPC: no space left on device');
       await setFenced(node, entries);
     };
+    const unconfirmed = async () => ({
+      fencedAt: (await revoked(w, id))?.fencedAt,
+      record: await w.d.nodes.fenced(NODE, w.d.bootId),
+      frozen: [...w.host.frozen],
+    });
     await guard.round(); // frozen; its record not written
-    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
-    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
-    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toEqual([]);
-    await guard.round();
+    expect(await unconfirmed()).toEqual({ fencedAt: undefined, record: [], frozen: ['/dev/loop0'] });
+    await guard.round(); // still frozen (busy); its record still not written
+    expect(await unconfirmed()).toEqual({ fencedAt: undefined, record: [], frozen: ['/dev/loop0'] });
+    expect(guard.isFenced(must(w.host.attached.get('loop0'), 'loop0'), id)).toBe(false);
+    w.host.frozen.delete('/dev/loop0'); // an operator thaws it (loopvol check saw a frozen filesystem it cannot explain)
+    await guard.round(); // frozen again, recorded, then confirmed
     expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toMatchObject([{ volumeId: id, device: '/dev/loop0' }]);
     expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
+    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
   });
 
   it('stages nothing while the record of fenced filesystems cannot be read', async () => {
@@ -150,15 +166,7 @@ describe('the fence guard', () => {
   it("freezes a volume taken from this node on a device number another volume's fence had (identities unknown: by path)", async () => {
     const { w, id } = await takenFromNode();
     w.host.identityReadable = false;
-    const other = {
-      volumeId: 'vol-other',
-      device: '/dev/loop0',
-      backingDev: '',
-      backingIno: '',
-      bootId: w.d.bootId,
-      at: 'x',
-    };
-    await w.d.nodes.setFenced(NODE, [other]);
+    await w.d.nodes.setFenced(NODE, [otherVolumesFence(w)]);
     const guard = guardOf(w);
     await guard.prepare();
     await guard.round();
@@ -171,15 +179,7 @@ describe('the fence guard', () => {
     const { id } = await newVolume(w);
     await stage(w, id);
     const guard = guardOf(w);
-    const entry = {
-      volumeId: 'vol-other',
-      device: '/dev/loop0',
-      backingDev: '',
-      backingIno: '',
-      bootId: w.d.bootId,
-      at: 'x',
-    };
-    await w.d.nodes.setFenced(NODE, [entry]);
+    await w.d.nodes.setFenced(NODE, [otherVolumesFence(w)]);
     await guard.prepare();
     const loop = { ...(w.host.attached.get('loop0') as LoopDevice), backing: undefined }; // unknown identity: by path
     expect([guard.isFenced(loop, id), guard.isFenced(loop, 'vol-other'), guard.isFenced(loop)]).toEqual([
