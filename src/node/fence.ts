@@ -159,6 +159,11 @@ export class FenceGuard {
     }
   }
 
+  /** Settled: a freeze of it this guard could not record is no longer one to record (see settle). */
+  private forgetUnsaved(id: string): void {
+    for (const key of this.unsaved.keys()) if (key.startsWith(`${id} `)) this.unsaved.delete(key);
+  }
+
   /** Fences (or confirms at once) one volume taken from this node, holding its key meanwhile. */
   async settle(id: string): Promise<void> {
     const release = this.keys.tryAcquire([nodeKey(id)], 'fence');
@@ -167,6 +172,7 @@ export class FenceGuard {
       const mine = (await this.d.volumes.leases(id)).find((l) => l.node === this.d.nodeId);
       if (mine?.revokedAt === undefined) {
         await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false); // settled already
+        this.forgetUnsaved(id);
         return;
       }
       // Released without this node's word (seen silent, or an operator's release-node) is no reason
@@ -209,24 +215,32 @@ export class FenceGuard {
           continue;
         }
         // Our own freeze, or none: a filesystem frozen by someone else says busy, and is frozen by
-        // this node once they thaw it. One this guard froze but could not record says busy too: still
-        // frozen, it is recorded now.
+        // this node once they thaw it. One this guard froze but could not record says busy too: taken
+        // as still frozen, and recorded now (a freeze cannot tell whose it is: a thaw by hand followed
+        // by someone else's freeze before this round would be taken for ours).
         const key = `${id} ${loop.path}`;
-        const pending = this.unsaved.get(key);
+        const backingDev = loop.backing?.dev ?? '';
+        const backingIno = loop.backing?.ino ?? '';
+        const saved = this.unsaved.get(key);
+        // The same attachment only (a device detached since and attached again is another one).
+        const pending =
+          saved?.backingDev === backingDev && saved.backingIno === backingIno ? saved : undefined;
         await this.d.host.freeze(this.x, writable.mountPoint).catch((err: unknown) => {
-          if (!pending || !(err instanceof CommandError && /busy/i.test(err.stderr))) throw err;
+          if (!pending || !(err instanceof CommandError && err.reason === 'exit' && /busy/i.test(err.stderr)))
+            throw err;
         });
-        if (this.fenced === 'unreadable') throw new Error('the record of fenced filesystems cannot be read');
+        const at = new Date().toISOString();
         const entry: FencedEntry = pending ?? {
           volumeId: id,
           device: loop.path,
-          backingDev: loop.backing?.dev ?? '',
-          backingIno: loop.backing?.ino ?? '',
+          backingDev,
+          backingIno,
           bootId: this.d.bootId,
-          at: new Date().toISOString(),
+          at,
         };
         if (!pending) telemetry.froze('fence');
         this.unsaved.set(key, entry);
+        if (this.fenced === 'unreadable') throw new Error('the record of fenced filesystems cannot be read');
         // Counted as a fence only once written: what confirms it is the file a stage here reads.
         const next = [...this.fenced, entry];
         await this.d.nodes.setFenced(this.d.nodeId, next);
@@ -265,6 +279,7 @@ export class FenceGuard {
       if (!releasedByOthers)
         await this.d.volumes.markFenced(id, this.d.nodeId, `node ${this.d.nodeId} ${how}`);
       await this.d.nodes.changeRevocation(this.pool, this.d.nodeId, id, false);
+      this.forgetUnsaved(id);
     } finally {
       release();
     }

@@ -154,6 +154,49 @@ describe('the fence guard', () => {
     expect([...w.host.frozen]).toEqual(['/dev/loop0']);
   });
 
+  it('records a freeze made while the record could not be read once it is repaired, then confirms', async () => {
+    const { w, id } = await takenFromNode();
+    const file = w.pool.layout.nodeFenced(NODE);
+    await fs.mkdir(path.dirname(file), { recursive: true });
+    await fs.writeFile(file, 'not json');
+    const guard = guardOf(w);
+    await guard.prepare();
+    await guard.round(); // frozen; nothing recorded, nothing confirmed
+    expect({ fencedAt: (await revoked(w, id))?.fencedAt, frozen: [...w.host.frozen] }).toEqual({
+      fencedAt: undefined,
+      frozen: ['/dev/loop0'],
+    });
+    await fs.writeFile(file, '[]\n'); // repaired
+    await guard.round();
+    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toMatchObject([{ volumeId: id, device: '/dev/loop0' }]);
+    expect((await revoked(w, id))?.fencedAt).toMatch(/froze its filesystem for good/);
+  });
+
+  it("forgets a freeze it could not record once the volume is settled: someone else's freeze of its next staging is not taken for it", async () => {
+    const { w, id } = await takenFromNode();
+    const guard = guardOf(w);
+    await guard.prepare();
+    const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
+    let failures = 1;
+    w.d.nodes.setFenced = async (node, entries) => {
+      if (failures-- > 0) throw new Error('ENOSPC: no space left on device');
+      await setFenced(node, entries);
+    };
+    await guard.round(); // frozen; its record not written
+    w.host.frozen.delete('/dev/loop0'); // thawed by hand, then the kubelet tears the pod down
+    expect(await codeOf(unpublish(w, id))).toBe('OK');
+    expect(await codeOf(unstage(w, id))).toBe('OK');
+    await guard.round(); // settled
+    // Back on this node, taken again while a backup hook has its filesystem frozen.
+    await attachTo(w, id);
+    await stage(w, id);
+    await publish(w, id);
+    await w.volumes.unpublish(id, NODE);
+    w.host.frozen.add('/dev/loop0');
+    await guard.round();
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+  });
+
   it('stages nothing while the record of fenced filesystems cannot be read', async () => {
     const w = await world();
     const { id } = await newVolume(w);
