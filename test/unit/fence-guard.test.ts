@@ -63,6 +63,19 @@ const otherVolumesFence = (w: World) => ({
   at: 'x',
 });
 
+/** A volume taken from NODE, and a prepared guard whose first `failures` record writes fail (no space). */
+async function recordFailing(failures: number) {
+  const { w, id } = await takenFromNode();
+  const guard = guardOf(w);
+  await guard.prepare();
+  const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
+  w.d.nodes.setFenced = async (node, entries) => {
+    if (failures-- > 0) throw new Error('ENOSPC: no space left on device');
+    await setFenced(node, entries);
+  };
+  return { w, id, guard };
+}
+
 /** NODE's revoked lease on `id`. */
 async function revoked(w: World, id: string) {
   const l = (await w.volumes.leases(id)).find((x) => x.node === NODE);
@@ -128,15 +141,7 @@ describe('the fence guard', () => {
   });
 
   it('confirms a fence only once its record is written, the filesystem frozen then (a thaw meanwhile: frozen again)', async () => {
-    const { w, id } = await takenFromNode();
-    const guard = guardOf(w);
-    await guard.prepare();
-    const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
-    let failures = 2;
-    w.d.nodes.setFenced = async (node, entries) => {
-      if (failures-- > 0) throw new Error('ENOSPC: no space left on device');
-      await setFenced(node, entries);
-    };
+    const { w, id, guard } = await recordFailing(2);
     const unconfirmed = async () => ({
       fencedAt: (await revoked(w, id))?.fencedAt,
       record: await w.d.nodes.fenced(NODE, w.d.bootId),
@@ -173,15 +178,7 @@ describe('the fence guard', () => {
   });
 
   it("forgets a freeze it could not record once the volume is settled: someone else's freeze of its next staging is not taken for it", async () => {
-    const { w, id } = await takenFromNode();
-    const guard = guardOf(w);
-    await guard.prepare();
-    const setFenced = w.d.nodes.setFenced.bind(w.d.nodes);
-    let failures = 1;
-    w.d.nodes.setFenced = async (node, entries) => {
-      if (failures-- > 0) throw new Error('ENOSPC: no space left on device');
-      await setFenced(node, entries);
-    };
+    const { w, id, guard } = await recordFailing(1);
     await guard.round(); // frozen; its record not written
     w.host.frozen.delete('/dev/loop0'); // thawed by hand, then the kubelet tears the pod down
     expect(await codeOf(unpublish(w, id))).toBe('OK');
