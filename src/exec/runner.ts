@@ -252,7 +252,7 @@ export class ExecRunner implements Runner {
       (x): x is AbortSignal => x !== undefined,
     );
     // One left behind and still stuck: another would only join it (and each holds a process slot).
-    const key = `${command}\0${args.join('\0')}`;
+    const key = options.abandonable ? `${command}\0${args.join('\0')}` : '';
     const stuckError = (why: string) => new CommandError(command, args, undefined, '', 'timeout', why);
     if (options.abandonable && stuck.has(key))
       throw stuckError(`${command} is still stuck from an earlier run`);

@@ -229,14 +229,13 @@ export class FenceGuard {
           if (!pending || !(err instanceof CommandError && err.reason === 'exit' && /busy/i.test(err.stderr)))
             throw err;
         });
-        const at = new Date().toISOString();
         const entry: FencedEntry = pending ?? {
           volumeId: id,
           device: loop.path,
           backingDev,
           backingIno,
           bootId: this.d.bootId,
-          at,
+          at: new Date().toISOString(),
         };
         if (!pending) telemetry.froze('fence');
         this.unsaved.set(key, entry);

@@ -65,8 +65,9 @@ export function describeAttachment(a: Pick<Attachment, 'readonly' | 'accessType'
   return `${a.accessType} access, ${a.mode}${a.readonly ? ', read-only' : ''}`;
 }
 
-/** Whether a publish may share its volume with other nodes': read-only, of a multi-node access mode. */
-export const shareable = (a: Attachment): boolean => isMultiNode(a.mode) && a.readonly;
+/** Whether a publish or a stage may share its volume with other nodes: read-only, multi-node access mode. */
+export const shareable = (a: Pick<Attachment | Lease, 'mode' | 'readonly'>): boolean =>
+  isMultiNode(a.mode) && a.readonly;
 
 /** Why `att` may not join `blocking`'s publish of volume `id` on another node. */
 export function sharingRefused(id: string, blocking: Attachment, att: Attachment): string {

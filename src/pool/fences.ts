@@ -27,7 +27,6 @@ import type { HeldLock } from './lock.js';
 import type { Pool } from './pool.js';
 import {
   type Attachment,
-  isMultiNode,
   keptDevice,
   type Lease,
   parseAttachment,
@@ -275,7 +274,6 @@ export abstract class VolumeFences {
       const all = await this.leases(id, file);
       const attachedHere = async (): Promise<boolean> =>
         (await this.attachments(id, file)).some((a) => a.node === lease.node);
-      const readerLease = (l: Lease): boolean => isMultiNode(l.mode) && l.readonly;
       const silent: string[] = [];
       for (const l of all) {
         if (l.node === lease.node) {
@@ -297,7 +295,7 @@ export abstract class VolumeFences {
             `Volume ${id} was detached from node ${l.node} at ${l.revokedAt} while still staged there; node ${lease.node} can stage it once ${l.node} has confirmed that it stopped using it (its plugin freezes the filesystem; a node that died confirms when it is back)${this.nodes.fenceMs > 0 ? `, or has been silent for ${Math.round(this.nodes.fenceMs / 1000)} s` : ''}.`,
           );
         }
-        if (!(readerLease(l) && readerLease(lease))) {
+        if (!(shareable(l) && shareable(lease))) {
           throw conflict(
             `Volume ${id} is staged on node ${l.node} since ${l.since}; it must be unstaged there (or unpublished from that node) before node ${lease.node} can stage it.`,
           );
