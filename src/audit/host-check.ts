@@ -80,10 +80,13 @@ export async function hostFindings(
   const notes = note ? [note] : [];
   const findings: Finding[] = [];
 
-  const fenced = new Map<string, { node: string; volumeId: string; at: string }>();
+  // A device's number is reused: after a fence thawed by hand and unstaged, another volume may get it.
+  const fenced = new Map<string, { node: string; volumeId: string; at: string }[]>();
   const freezes = new Map<string, string>();
   for (const n of inv.nodes.values()) {
-    for (const e of n.fenced) if (e.bootId === me.bootId) fenced.set(e.device, { ...e, node: n.node });
+    for (const e of n.fenced)
+      if (e.bootId === me.bootId)
+        fenced.set(e.device, [...(fenced.get(e.device) ?? []), { ...e, node: n.node }]);
     if (here(n.node)) for (const [v, state] of n.freezes) freezes.set(v, state ?? 'asked');
   }
   const leasesOf = new Map<string, Lease[]>(inv.volumes.map((v) => [v.id, v.leases]));
@@ -125,7 +128,8 @@ export async function hostFindings(
     const id = p.image.id;
     const volumeId = p.image.kind === 'volume' ? id : undefined;
     const what = `${p.image.kind === 'deleted' ? 'a deleted image' : `the ${p.image.kind} image`} ${p.image.path}`;
-    const f = fenced.get(dev);
+    // Whose image it is unknown (a deleted image shown by path only): any fence on it counts.
+    const f = fenced.get(dev)?.find((e) => id === undefined || e.volumeId === id);
     if (f) {
       findings.push({
         kind: 'fenced-filesystem',

@@ -362,6 +362,8 @@ describe('hostFindings over the fake host', () => {
             record: { node: 'node-1', pool: 'p', maxVolumes: 1, host: me.host, registeredAt: '' },
             fenced: [
               { volumeId: c, device: lc.path, backingDev: '', backingIno: '', bootId: me.bootId, at: 't' },
+              // Another volume's fence on the device number a has now: not a's.
+              { volumeId: dId, device: la.path, backingDev: '', backingIno: '', bootId: me.bootId, at: 't' },
             ],
           }),
         ],
