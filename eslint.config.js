@@ -40,6 +40,17 @@ export default tseslint.config(
   },
   {
     files: ['test/**', 'bench/**', 'sanity/**'],
-    rules: { 'no-console': 'off' },
+    rules: {
+      'no-console': 'off',
+      // vitest's toMatchObject counts a bare regex as matching any value: a check that cannot fail.
+      'no-restricted-syntax': [
+        'error',
+        {
+          selector:
+            'CallExpression[callee.property.name=/^(toMatchObject|objectContaining)$/] Property > Literal[regex]',
+          message: 'A bare regex here matches anything; use expect.stringMatching(/…/).',
+        },
+      ],
+    },
   },
 );
