@@ -97,6 +97,11 @@ export class FenceGuard {
     await this.d.nodes.heartbeat(this.d.nodeId);
   }
 
+  /** Whether this node's record of fences could be read: when not, any device may be a fence. */
+  get knowsFences(): boolean {
+    return this.fenced !== 'unreadable';
+  }
+
   /**
    * Whether `loop` is a fence this node recorded: of volume `volumeId` when given (to skip freezing it,
    * so a device number another volume's fence once had never counts), of any volume otherwise (to
@@ -198,7 +203,7 @@ export class FenceGuard {
       }
       // Fenced by this node's own record: an unreadable record proves nothing here (every filesystem
       // writable is frozen again, and nothing is confirmed until the record is repaired).
-      const recorded = (l: LoopDevice): boolean => this.fenced !== 'unreadable' && this.isFenced(l, id);
+      const recorded = (l: LoopDevice): boolean => this.knowsFences && this.isFenced(l, id);
       let froze = 0;
       let hidden: LoopDevice | undefined;
       for (const loop of loops) {

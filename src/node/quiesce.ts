@@ -272,6 +272,8 @@ export class QuiesceAgent {
           `${doubtful.map((l) => l.path).join(', ')}, which this node's lease of the volume names, may be the volume (its backing file cannot be told apart from the image); it cannot be frozen`,
         );
       }
+      // Known to be fenced (frozen for good): an unreadable record of fences proves nothing either way.
+      const fenced = (l: LoopDevice): boolean => this.guard.knowsFences && this.guard.isFenced(l, r.volumeId);
       if (!writable) {
         if (lease?.accessType === 'block' && loop && !loop.readOnly) {
           return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');
@@ -279,8 +281,7 @@ export class QuiesceAgent {
         // A filesystem holding a device of the volume with no mount this plugin can see (mounted in a
         // mount namespace that outlived the host's mounts) may be written, and cannot be frozen.
         for (const l of mine) {
-          if (l.readOnly || this.guard.isFenced(l, r.volumeId) || on.mounts.some((m) => loopOfMount(m, [l])))
-            continue;
+          if (l.readOnly || fenced(l) || on.mounts.some((m) => loopOfMount(m, [l]))) continue;
           if (await this.d.host.claimed(l.path)) {
             return answer(
               'failed',
@@ -293,7 +294,14 @@ export class QuiesceAgent {
       const wloop = mine.find((l) => l.path === writable.source);
       if (!wloop) return answer('not-staged', 'not mounted for writing on this node');
       // Fenced: frozen for good already, which is frozen enough for any copy (and never thawed).
-      if (this.guard.isFenced(wloop, r.volumeId)) return answer('frozen', 'frozen for good (fenced)');
+      if (fenced(wloop)) return answer('frozen', 'frozen for good (fenced)');
+      // A fence is never thawed, so nothing is frozen for a copy that might be one.
+      if (!this.guard.knowsFences) {
+        return answer(
+          'failed',
+          "this node's record of fenced filesystems cannot be read, so it cannot tell whether this filesystem is fenced; nothing is frozen for a copy until the record is repaired",
+        );
+      }
       const frozen: Frozen = {
         request: r,
         release: got,
