@@ -32,7 +32,9 @@ export interface RunOptions {
    * A query that changes nothing: when its process outlives its kill (stuck in the kernel on a
    * filesystem that does not answer, where SIGKILL waits), it is left behind and the run fails as timed
    * out, instead of waiting for as long as that filesystem hangs. Never for a command that changes
-   * anything: what it does after the caller gave up would race the caller's undo.
+   * anything: what it does after the caller gave up would race the caller's undo. One that timed out
+   * is not run again for a while (a minute, doubling to four while it keeps timing out): a filesystem
+   * that hangs but lets its waits be killed would cost every caller the whole timeout.
    */
   abandonable?: boolean;
 }
@@ -211,6 +213,11 @@ const ABANDON_AFTER_MS = 5_000;
 /** Abandonable commands (command and arguments) left behind and not ended yet: how many of each. */
 const stuck = new Map<string, number>();
 
+/** Abandonable commands that timed out: not run again before `until` (Date.now()); `ms`, the last wait. */
+const cooling = new Map<string, { until: number; ms: number }>();
+const COOL_MS = 60_000;
+const COOL_MAX_MS = 240_000;
+
 /** `child`'s result, or 'abandoned' when it has not ended `ms` from now. */
 async function abandonedAfter<T>(child: Promise<T>, ms: number): Promise<T | 'abandoned'> {
   let timer: NodeJS.Timeout | undefined;
@@ -256,6 +263,17 @@ export class ExecRunner implements Runner {
     const stuckError = (why: string) => new CommandError(command, args, undefined, '', 'timeout', why);
     if (options.abandonable && stuck.has(key))
       throw stuckError(`${command} is still stuck from an earlier run`);
+    const cool = options.abandonable ? cooling.get(key) : undefined;
+    if (cool && cool.until > Date.now())
+      throw stuckError(
+        `${command} timed out lately; not run again for ${Math.ceil((cool.until - Date.now()) / 1000)} s`,
+      );
+    // Timed out at its own limit (not cut short by its caller's deadline): not run again for a while.
+    const cooled = (): void => {
+      if (!options.abandonable || timeout < limit) return;
+      const ms = cool ? Math.min(cool.ms * 2, COOL_MAX_MS) : COOL_MS;
+      cooling.set(key, { until: Date.now() + ms, ms });
+    };
     keepExitHandlers();
     const started = performance.now();
     const [file, argv] = options.diesWithProcess
@@ -286,6 +304,7 @@ export class ExecRunner implements Runner {
         else stuck.delete(key);
       };
       child.then(ended, ended);
+      cooled();
       scope.log.warn(
         { command, args, pid: child.pid },
         'a command outlived its kill (stuck in the kernel); left behind',
@@ -295,6 +314,8 @@ export class ExecRunner implements Runner {
     }
     const ms = Math.round(performance.now() - started);
     const okCodes = options.okCodes ?? [0];
+    if (result.timedOut) cooled();
+    else if (cool) cooling.delete(key);
     if (!result.failed || (result.exitCode !== undefined && okCodes.includes(result.exitCode))) {
       scope.log.debug({ command, args, exitCode: result.exitCode, ms }, 'command finished');
       return { exitCode: result.exitCode ?? 0, stdout: result.stdout, stderr: result.stderr };

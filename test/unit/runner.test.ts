@@ -10,7 +10,7 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { pino } from 'pino';
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
 import { bindExec, CallStopped, CommandError, detached, ExecRunner } from '../../src/exec/runner.js';
 
 const log = pino({ level: 'silent' });
@@ -107,6 +107,49 @@ describe('a query that outlives its kill', () => {
     stop('52');
     await run.catch(() => undefined);
     expect(settled).toBe('waiting');
+  });
+});
+
+describe('an abandonable query that timed out', () => {
+  it('is not run again for a minute, then for twice as long while it keeps timing out, and at once after it answered', async () => {
+    const tmp = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-cool-'));
+    const runs = path.join(tmp, 'runs');
+    const answers = path.join(tmp, 'answers');
+    // Hangs (killably) until `answers` exists; counts its starts.
+    const query = (): Promise<unknown> =>
+      bindExec(runner, { log }).run(
+        'sh',
+        ['-c', 'echo >> "$1"; [ -e "$2" ] || exec sleep 5', 'sh', runs, answers],
+        { timeoutMs: 200, abandonable: true },
+      );
+    const started = () => readFileSync(runs, 'utf8').split('\n').length - 1;
+    const now = Date.now();
+    const at = (ms: number) => vi.spyOn(Date, 'now').mockReturnValue(now + ms);
+    try {
+      expect((await failure(query())) as CommandError).toMatchObject({ reason: 'timeout' });
+      expect(started()).toBe(1);
+      at(59_000);
+      const cooling = (await failure(query())) as CommandError;
+      expect({ reason: cooling.reason, message: cooling.message }).toMatchObject({
+        reason: 'timeout',
+        message: expect.stringMatching(/timed out lately; not run again for [12] s/) as unknown,
+      });
+      expect(started()).toBe(1); // not started
+      at(61_000);
+      await failure(query()); // runs, times out again: two minutes now
+      expect(started()).toBe(2);
+      at(61_000 + 119_000);
+      await failure(query());
+      expect(started()).toBe(2);
+      at(61_000 + 121_000);
+      await fs.writeFile(answers, '');
+      expect((await query()) as { exitCode: number }).toMatchObject({ exitCode: 0 });
+      expect((await query()) as { exitCode: number }).toMatchObject({ exitCode: 0 });
+      expect(started()).toBe(4);
+    } finally {
+      vi.restoreAllMocks();
+      await fs.rm(tmp, { recursive: true, force: true });
+    }
   });
 });
 
