@@ -557,40 +557,41 @@ describe('freezes for copies', () => {
     await agent.stop();
   });
 
-  it('freezes nothing for a copy while its record of fences cannot be read (it may be a fence), and answers failed', async () => {
+  /** The answer to a copy's freeze of a published volume while NODE's record of fences cannot be read. */
+  async function answerWithoutFences(hidden: boolean) {
     const w = await world();
     const { id } = await newVolume(w);
     await stage(w, id);
     await publish(w, id);
+    if (hidden) {
+      // The host's mounts are gone; a pod's mount namespace still has the filesystem mounted.
+      w.host.table.splice(0, w.host.table.length);
+      w.host.heldElsewhere.add('/dev/loop0');
+    }
     await fs.mkdir(path.dirname(w.pool.layout.nodeFenced(NODE)), { recursive: true });
     await fs.writeFile(w.pool.layout.nodeFenced(NODE), 'not json');
     const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
+    const answer = await answered(await board.post(NODE, id, 60_000, 'test', 'snapshot'));
+    await agent.stop();
+    return { w, answer };
+  }
+
+  it('freezes nothing for a copy while its record of fences cannot be read (it may be a fence), and answers failed', async () => {
+    const { w, answer } = await answerWithoutFences(false);
     // "Frozen for good (fenced)" unfrozen would let the copy read a filesystem its pod still writes.
-    expect(await answered(r)).toMatchObject({
+    expect(answer).toMatchObject({
       state: 'failed',
       message: expect.stringMatching(/record of fenced filesystems cannot be read/) as unknown,
     });
     expect(w.host.ops.filter((o) => o.startsWith('freeze') || o.startsWith('thaw'))).toEqual([]);
-    await agent.stop();
   });
 
   it('answers failed, never not-staged, for a filesystem active where it cannot see while its record of fences cannot be read', async () => {
-    const w = await world();
-    const { id } = await newVolume(w);
-    await stage(w, id);
-    await publish(w, id);
-    w.host.table.splice(0, w.host.table.length);
-    w.host.heldElsewhere.add('/dev/loop0');
-    await fs.mkdir(path.dirname(w.pool.layout.nodeFenced(NODE)), { recursive: true });
-    await fs.writeFile(w.pool.layout.nodeFenced(NODE), 'not json');
-    const { board, agent, answered } = await agentOf(w);
-    const r = await board.post(NODE, id, 60_000, 'test', 'snapshot');
-    expect(await answered(r)).toMatchObject({
+    const { answer } = await answerWithoutFences(true);
+    expect(answer).toMatchObject({
       state: 'failed',
       message: expect.stringMatching(/no mount this node plugin can see/) as unknown,
     });
-    await agent.stop();
   });
 
   it('answers failed, never not-staged, while a filesystem of the volume is active in a namespace it cannot see', async () => {
