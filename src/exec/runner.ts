@@ -268,10 +268,12 @@ export class ExecRunner implements Runner {
       throw stuckError(
         `${command} timed out lately; not run again for ${Math.ceil((cool.until - Date.now()) / 1000)} s`,
       );
-    // Timed out at its own limit (not cut short by its caller's deadline): not run again for a while.
+    // Timed out, and not because a caller's deadline cut it short (a shared reading's own scope is no
+    // caller): not run again for a while, twice as long when it times out again soon after the last.
     const cooled = (): void => {
-      if (!options.abandonable || timeout < limit) return;
-      const ms = cool ? Math.min(cool.ms * 2, COOL_MAX_MS) : COOL_MS;
+      if (!options.abandonable || (timeout < limit && callers)) return;
+      const last = cooling.get(key);
+      const ms = last && Date.now() - last.until < last.ms ? Math.min(last.ms * 2, COOL_MAX_MS) : COOL_MS;
       cooling.set(key, { until: Date.now() + ms, ms });
     };
     keepExitHandlers();
@@ -315,7 +317,7 @@ export class ExecRunner implements Runner {
     const ms = Math.round(performance.now() - started);
     const okCodes = options.okCodes ?? [0];
     if (result.timedOut) cooled();
-    else if (cool) cooling.delete(key);
+    else if (options.abandonable) cooling.delete(key);
     if (!result.failed || (result.exitCode !== undefined && okCodes.includes(result.exitCode))) {
       scope.log.debug({ command, args, exitCode: result.exitCode, ms }, 'command finished');
       return { exitCode: result.exitCode ?? 0, stdout: result.stdout, stderr: result.stderr };

@@ -151,6 +151,31 @@ describe('an abandonable query that timed out', () => {
       await fs.rm(tmp, { recursive: true, force: true });
     }
   });
+
+  it("cools down too when the limit was its own scope's, as a shared reading's is (detached), but not a caller's deadline", async () => {
+    const tmp = await fs.mkdtemp(path.join(os.tmpdir(), 'loopvol-runner-cool-'));
+    const runs = path.join(tmp, 'runs');
+    const args = ['-c', 'echo >> "$1"; exec sleep 5', 'sh', runs];
+    const opts = { timeoutMs: 1500, abandonable: true };
+    const started = () => readFileSync(runs, 'utf8').split('\n').length - 1;
+    try {
+      // A caller whose deadline comes before the query's limit: its answer, and no cool-down.
+      const caller = (): Promise<unknown> =>
+        bindExec(runner, { log, deadline: Date.now() + 1000 }).run('sh', [...args, 'caller'], opts);
+      expect(await failure(caller())).toBeInstanceOf(CallStopped);
+      expect(await failure(caller())).toBeInstanceOf(CallStopped);
+      expect(started()).toBe(2);
+      // A shared reading's own scope (its limit shorter than the query's): a cool-down.
+      const shared = (): Promise<unknown> => detached(bindExec(runner, { log }), 1000).run('sh', args, opts);
+      expect(await failure(shared())).toMatchObject({ reason: 'timeout' });
+      expect(await failure(shared())).toMatchObject({
+        message: expect.stringMatching(/timed out lately/) as unknown,
+      });
+      expect(started()).toBe(3);
+    } finally {
+      await fs.rm(tmp, { recursive: true, force: true });
+    }
+  });
 });
 
 describe('why a command ended without an exit status', () => {
