@@ -53,13 +53,18 @@ export async function fencedDevices(
   return new Set(loops.filter((l) => isFencedIn(mine, l)).map((l) => l.path));
 }
 
-/** Whether `entries` (or an unreadable record: anything) says `loop` is a fence. */
+/**
+ * Whether `entries` (or an unreadable record: anything) says `loop` is a fence. By identity where both
+ * sides know it, else by path: a fence recorded while losetup could not be read has none.
+ */
 export function isFencedIn(entries: readonly FencedEntry[] | 'unreadable', loop: LoopDevice): boolean {
   if (entries === 'unreadable') return true;
   return entries.some(
     (e) =>
       e.device === loop.path &&
-      (loop.backing === undefined || sameFile(loop.backing, { dev: e.backingDev, ino: e.backingIno })),
+      (loop.backing === undefined ||
+        e.backingDev === '' ||
+        sameFile(loop.backing, { dev: e.backingDev, ino: e.backingIno })),
   );
 }
 

@@ -343,6 +343,23 @@ describe('the fence guard', () => {
     expect(await w.d.nodes.revocations(NODE)).toEqual([id]);
   });
 
+  it('still knows a fence recorded while losetup could not be read once it can: never thawed at start', async () => {
+    const { w, id } = await takenFromNode();
+    w.host.identityReadable = false;
+    const guard = guardOf(w);
+    await guard.prepare();
+    // Killed once the fence was recorded, before it was confirmed.
+    w.volumes.markFenced = () => Promise.reject(new Error('killed'));
+    await guard.round();
+    expect(await w.d.nodes.fenced(NODE, w.d.bootId)).toMatchObject([{ volumeId: id, backingDev: '' }]);
+    expect((await revoked(w, id))?.fencedAt).toBeUndefined();
+    w.host.identityReadable = true; // the plugin restarted, and losetup answers again
+    const next = guardOf(w);
+    await next.prepare();
+    expect(await thawLeftovers(w.d, w.x, next)).toBe(0);
+    expect([...w.host.frozen]).toEqual(['/dev/loop0']);
+  });
+
   it('thaws at start what a killed run left frozen, also on a volume taken from this node but not yet fenced', async () => {
     const w = await world();
     const live = await newVolume(w);
