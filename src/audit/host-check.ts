@@ -128,7 +128,7 @@ export async function hostFindings(
     const id = p.image.id;
     const volumeId = p.image.kind === 'volume' ? id : undefined;
     const what = `${p.image.kind === 'deleted' ? 'a deleted image' : `the ${p.image.kind} image`} ${p.image.path}`;
-    // Whose image it is unknown (a deleted image shown by path only): any fence on it counts.
+    // An image whose path names no volume or snapshot (so its id is unknown): any fence on it counts.
     const f = fenced.get(dev)?.find((e) => id === undefined || e.volumeId === id);
     if (f) {
       findings.push({

@@ -176,7 +176,7 @@ export function poolFindings(inv: Inventory, opts: PoolCheckOptions): Finding[] 
         kind: 'damaged-node-record',
         subject: file,
         node: n.node,
-        detail: `a record of node ${n.node} cannot be read; until it is repaired that node ${file.endsWith('.fenced') ? 'confirms no fence, thaws nothing of this pool, stages no volume and freezes none for a copy (a snapshot or clone of one mounted for writing there fails)' : 'settles none of the volumes taken from it, which stay held'}`,
+        detail: `a record of node ${n.node} cannot be read; until it is repaired that node ${file.endsWith('.fenced') ? 'stages no volume, and its plugin, if it starts meanwhile, confirms no fence, thaws nothing of this pool and freezes none for a copy (a snapshot or clone of one mounted for writing there fails)' : 'settles none of the volumes taken from it, which stay held'}`,
         action: file.endsWith('.fenced')
           ? 'Repair it (a JSON list of the filesystems the node froze) or, once the node has rebooted, remove it.'
           : `Repair it: a JSON list of the ids of the volumes whose fences.json holds a revoked lease of node ${n.node} (loopvol volumes --node ${n.node} marks them "revoked").`,
