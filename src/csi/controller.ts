@@ -313,10 +313,12 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           // Already as large or larger: OK at its size (spec), never shrunk. A retry whose first answer
           // was lost, then lowered (Kubernetes' recovery from a failed expansion), must not be stuck.
           // The size is the image's where an expansion cut short (killed between the image and its
-          // record) left it larger: that is what the node grows the filesystem to.
+          // record) left it larger: that is what the node grows the filesystem to. A length that is
+          // no whole number of MiB (a preallocated expansion of a release before 2026-12-03 failed on
+          // ext4 after making the image longer) is rounded up, as every capacity is.
           const image = volumes.imagePath(id);
           const st = await fs.stat(image);
-          const target = Math.max(requested, current, st.size);
+          const target = Math.max(requested, current, roundUpMiB(st.size));
           const largest = await d.pool.fs.maxFileSize();
           if (target > largest) {
             throw outOfRange(

@@ -118,9 +118,11 @@ async function reserveBlocks(
   offset: number,
   length: number,
   signal?: AbortSignal,
+  keepSize = false,
 ): Promise<void> {
+  const range = ['--offset', String(offset), '--length', String(length)];
   try {
-    await x.run('fallocate', ['--offset', String(offset), '--length', String(length), pinnedPath(h)], {
+    await x.run('fallocate', [...(keepSize ? ['--keep-size'] : []), ...range, pinnedPath(h)], {
       detached: true,
       diesWithProcess: true,
       timeoutMs: 10 * 60 * 1000,
@@ -153,10 +155,18 @@ export async function growImage(
   await withImage(file, true, async (h) => {
     const st = await h.stat();
     if (st.size >= size) return;
-    // fallocate extends the file too (it never shrinks one); a sparse image is only made longer.
+    // The blocks are reserved past the end first, and the image made longer only once they all are: a
+    // fallocate that fails midway (ENOSPC) or is killed leaves the length, which nodes grow their
+    // filesystems to, as it was. A sparse image is only made longer.
     if (preallocated) {
-      lock?.assertHeld(); // fallocate makes the file longer too
-      await reserveBlocks(x, h, st.size, size - st.size, lock?.signal);
+      try {
+        await reserveBlocks(x, h, st.size, size - st.size, lock?.signal, true);
+      } catch (err) {
+        // What it did reserve is given back: a truncate to the length the image has frees the blocks
+        // past it. Not once the lock is lost: another holder may be growing the image.
+        if (!lock?.signal.aborted) await h.truncate((await h.stat()).size);
+        throw err;
+      }
     }
     const now = (await h.stat()).size;
     lock?.assertHeld();

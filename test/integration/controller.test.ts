@@ -361,6 +361,26 @@ describe('crash safety', () => {
     });
   });
 
+  it('an image left a length of no whole MiB (a failed preallocated growth of an older release) is grown to the next MiB by the retry', async () => {
+    const d = await driver({ dir: await dir('oddgrow') });
+    const v = await d.clients.controller.CreateVolume({
+      name: 'pvc-odd-length',
+      capacity_range: { required_bytes: String(16 * MiB) },
+      volume_capabilities: [blockCap()],
+    });
+    const id = v.volume?.volume_id ?? '';
+    const image = path.join(d.poolDir, 'volumes', id, 'disk.img');
+    await fs.truncate(image, 20 * MiB + 12_345);
+    const retried = await d.clients.controller.ControllerExpandVolume({
+      volume_id: id,
+      capacity_range: { required_bytes: String(16 * MiB) },
+    });
+    expect({ capacity: retried.capacity_bytes, image: (await fs.stat(image)).size }).toEqual({
+      capacity: String(21 * MiB),
+      image: 21 * MiB,
+    });
+  });
+
   it('a DeleteVolume killed after it moved the volume away is not resurrected', async () => {
     const base = await dir('crashdel');
     const first = await driver({ dir: base, env: { LOOPVOL_FAILPOINT: 'discard:moved' } });

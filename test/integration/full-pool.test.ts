@@ -9,7 +9,10 @@ import { execFileSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
+import { bindExec, ExecRunner } from '../../src/exec/runner.js';
+import { growImage } from '../../src/pool/images.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
@@ -263,3 +266,32 @@ function wentReadOnlyAt(p: string): boolean {
   const superOpts = post?.split(' ')[2]?.split(',') ?? [];
   return superOpts.includes('ro') && !mountOpts.includes('ro');
 }
+
+describe.each(['ext4', 'xfs', 'btrfs'] as const)(
+  'a preallocated expansion a %s pool cannot hold',
+  (poolFs) => {
+    it('leaves the image as long as it was (what nodes grow filesystems to), with its data, and gives back what it reserved', async () => {
+      const base = await env.dir(`grow-${poolFs}`);
+      const scratch = await scratchFilesystem(base, poolFs, 320);
+      env.declareOwn(scratch.mountPoint, scratch.device);
+      const image = path.join(scratch.mountPoint, 'disk.img');
+      await writeRandom(image, 8, 17);
+      await fs.truncate(image, 16 * MiB);
+      const before = await fs.stat(image);
+      const sum = await sha256(image);
+      const x = bindExec(new ExecRunner(), { log: pino({ level: 'silent' }) });
+      // ext4's fallocate made the file longer chunk by chunk before it failed.
+      await expect(growImage(x, image, 1024 * MiB, true)).rejects.toMatchObject({
+        stderr: expect.stringMatching(/No space left/) as unknown,
+      });
+      const after = await fs.stat(image);
+      // What it reserved is given back; an extent block of the file's own may stay.
+      const kept = (after.blocks - before.blocks) * 512;
+      expect({ size: after.size, sum: await sha256(image), keptUnder64KiB: kept < 64 * 1024 }).toEqual({
+        size: before.size,
+        sum,
+        keptUnder64KiB: true,
+      });
+    });
+  },
+);
