@@ -24,12 +24,20 @@ export const RESERVE_FILE = 'reserve';
 export const RESERVE_BYTES = 4 * 1024 * 1024;
 /** Written again only with this many times its size free: never the last blocks a pod is asking for. */
 const REFILL_HEADROOM = 8;
+/** What a reserve lent to a call is taken back by, as far as the pool has room. */
+const CHUNK_BYTES = 64 * 1024;
 
 export class SpaceReserve {
   private readonly file: string;
   private refilling: Promise<void> | undefined;
   /** Not known to be whole: given back, or last left unwritten (no room, an error). */
   private short = true;
+  /**
+   * Given back by this process and not whole since: what is free is taken back at once, up to its size,
+   * without headroom. Left free, the blocks a call that freed space was lent went to the next writer
+   * (a stage's mkfs), and the next such call found none.
+   */
+  private lent = false;
 
   /** `present` throws unless the pool is still there (a reserve is never written into a bare mount point). */
   constructor(
@@ -65,6 +73,7 @@ export class SpaceReserve {
     await this.present();
     const whole = await this.withFile(true, async (h, held) => {
       if (held >= RESERVE_BYTES) return true;
+      if (this.lent) return this.takeBack(h);
       const st = await fs.statfs(path.dirname(this.file));
       if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
       const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
@@ -74,6 +83,27 @@ export class SpaceReserve {
       return true;
     });
     this.short = whole !== true;
+    if (whole === true) this.lent = false;
+  }
+
+  /** Writes the reserve a chunk at a time for as long as the pool has room; true once it is whole. */
+  private async takeBack(h: FileHandle): Promise<boolean> {
+    const chunk = randomFillSync(Buffer.allocUnsafe(CHUNK_BYTES));
+    let size = 0;
+    for (; size < RESERVE_BYTES; size += CHUNK_BYTES) {
+      const wrote = await h.write(chunk, 0, CHUNK_BYTES, size).then(
+        () => true,
+        (err: unknown) => {
+          const code = errnoCode(err);
+          if (code === 'ENOSPC' || code === 'EDQUOT') return false;
+          throw err;
+        },
+      );
+      if (!wrote) break;
+    }
+    await h.truncate(size);
+    await h.sync();
+    return size >= RESERVE_BYTES;
   }
 
   /** Frees the reserve's blocks; false when it held none (given back already, or never written). */
@@ -85,6 +115,7 @@ export class SpaceReserve {
     });
     this.short = true;
     if (freed) {
+      this.lent = true;
       this.log.warn(
         { file: this.file },
         'the pool is full: gave back its space reserve so that a call freeing space can run',

@@ -13,6 +13,7 @@ import { pino } from 'pino';
 import { afterAll, describe, expect, it } from 'vitest';
 import { bindExec, ExecRunner } from '../../src/exec/runner.js';
 import { growImage } from '../../src/pool/images.js';
+import { RESERVE_BYTES, SpaceReserve } from '../../src/pool/reserve.js';
 import type { DriverProcess } from '../helpers/driver.js';
 import { blockCap, mountCap, TestEnv } from '../helpers/env.js';
 import { codeOf, errorOf } from '../helpers/grpc.js';
@@ -295,3 +296,28 @@ describe.each(['ext4', 'xfs', 'btrfs'] as const)(
     });
   },
 );
+
+describe.each(['ext4', 'xfs', 'btrfs'] as const)('the space reserve of a full %s pool', (poolFs) => {
+  it('is taken back as soon as the call it was lent to ends, before a writer takes its blocks', async () => {
+    const base = await env.dir(`rearm-${poolFs}`);
+    const scratch = await scratchFilesystem(base, poolFs, 320);
+    env.declareOwn(scratch.mountPoint, scratch.device);
+    const reserve = new SpaceReserve(scratch.mountPoint, pino({ level: 'silent' }), () => Promise.resolve());
+    const held = async (): Promise<number> =>
+      (await fs.stat(path.join(scratch.mountPoint, 'reserve'))).blocks * 512;
+    await reserve.refill();
+    expect(await held()).toBeGreaterThanOrEqual(RESERVE_BYTES);
+    const writer = path.join(scratch.mountPoint, 'writer');
+    await fs.writeFile(writer, ''); // made while there is room (an XFS has no inode to spare once full)
+    await fillUp(path.join(scratch.mountPoint, 'filler'));
+    expect(await reserve.giveBack()).toBe(true); // lent to a call that frees space…
+    await fs.writeFile(path.join(scratch.mountPoint, 'record'), Buffer.alloc(64 * 1024, 1)); // …which writes
+    await reserve.refillIfShort(); // as every such call does when it ends
+    // Nearly all of it is back: the next writer (a stage's mkfs, a pod) finds the pool full, not the
+    // reserve's blocks, and the next call that frees space finds them.
+    expect(await held()).toBeGreaterThanOrEqual(RESERVE_BYTES - 1024 * 1024);
+    await fillUp(writer);
+    expect((await fs.stat(writer)).blocks * 512).toBeLessThan(1024 * 1024);
+    expect(await reserve.giveBack()).toBe(true);
+  });
+});
