@@ -29,7 +29,8 @@ import { refusing, serve, type Serving, stopServing } from './serving.js';
 import { buildService, type CallDeps } from './server/call.js';
 import { InFlight } from './server/inflight.js';
 import { csiProto } from './server/proto.js';
-import { awaitPredecessor, listen, stop } from './server/server.js';
+import { awaitPredecessor } from './server/presence.js';
+import { listen, stop } from './server/server.js';
 import { buildStreamingService } from './server/stream.js';
 import { setTelemetry } from './telemetry.js';
 import { driverVersion } from './version.js';
@@ -55,11 +56,15 @@ export async function startDriver(
   log: Logger,
   options: DriverOptions = {},
 ): Promise<RunningDriver> {
-  // A node plugin's successor on the same host (a new container) takes over its locks at once.
-  const role = servesNode(config) && config.nodeId !== undefined ? `node:${config.nodeId}` : undefined;
-  // Only once its predecessor is gone: one still finishing its calls holds what it works on.
-  const leavePresence =
-    role && config.endpoint.kind === 'unix' ? await awaitPredecessor(config.endpoint.path, log) : undefined;
+  // A node plugin's successor on the same host (a new container) takes over its locks at once, once
+  // its predecessor is gone (one still finishing its calls holds what it works on): the role names
+  // the presence it waited on. Any other lock of this host's containers is judged as another host's
+  // (taken once unchanged for a lease), never taken at once.
+  const presence =
+    servesNode(config) && config.nodeId !== undefined && config.endpoint.kind === 'unix'
+      ? await awaitPredecessor(config.endpoint.path, config.nodeId, log)
+      : undefined;
+  const role = presence?.role;
   const runner = options.runner ?? new ExecRunner();
   const openOptions = { create: config.createPool, lock: role ? { role } : {}, runner };
   const inflight = new InFlight();
@@ -236,7 +241,7 @@ export async function startDriver(
       await halted;
       await stopServing(serving);
       if (metrics) setTelemetry(undefined);
-      await leavePresence?.();
+      await presence?.leave();
     },
     async exitsCleanly() {
       if (active > 0 || opening.pending()) return false;

@@ -131,7 +131,10 @@ export interface LockOptions {
   leaseMs?: number;
   /** How often a held lock is renewed. */
   heartbeatMs?: number;
-  /** This process's lasting name on its host ("node:<id>"): its successor takes over its locks at once. */
+  /**
+   * This process's lasting name on its host ("node:<id>@<presence socket>"): its successor, which waited
+   * for it to exit, takes over its locks at once.
+   */
   role?: string;
 }
 

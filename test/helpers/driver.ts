@@ -61,10 +61,14 @@ export function driverArgs(a: DriverArgs): { args: string[]; socket: string; poo
   return { args, socket, poolDir };
 }
 
-/** Runs dist/main.js with `args` to completion (for flag errors, --help). */
-export function runMain(args: string[]): Promise<{ code: number | null; stdout: string; stderr: string }> {
+/** Runs dist/main.js with `args` to completion (for flag errors, --help), through `wrap` if given. */
+export function runMain(
+  args: string[],
+  wrap: string[] = [],
+): Promise<{ code: number | null; stdout: string; stderr: string }> {
   return new Promise((resolve) => {
-    const proc = spawn(process.execPath, [MAIN, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const argv = [...wrap, process.execPath, MAIN, ...args];
+    const proc = spawn(argv[0] ?? process.execPath, argv.slice(1), { stdio: ['ignore', 'pipe', 'pipe'] });
     let stdout = '';
     let stderr = '';
     proc.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
