@@ -7,7 +7,7 @@
  *     (its mounts stayed on the host; its loop devices stayed attached).
  *  2. A plugin that hangs while it holds a pool lock (stopped by SIGSTOP the moment the lock file
  *     appears) and is killed at the end of its grace period: the new container takes the lock over at
- *     once (it names itself by the same role, node:node-1@/csi/csi.sock.presence), so the kubelet's retry
+ *     once (it names itself by the same role, node:node-1@/csi/.lvn-<hash>), so the kubelet's retry
  *     succeeds at once.
  *  3. For a minute after that restart, no call is ABORTED.
  */
