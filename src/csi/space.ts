@@ -43,9 +43,12 @@ export async function withRoom<T>(reserve: SpaceReserve, step: () => Promise<T>)
     return await step();
   } catch (err) {
     if (!outOfSpace(err)) throw err;
-    // Given back now, or just before by a call failing beside this one: either way, once more.
-    await reserve.giveBack().catch(() => false);
-    return step();
+    // Given back now, or just before by a call failing beside this one: either way, once more, and
+    // not taken back while this runs.
+    return reserve.lending(async () => {
+      await reserve.giveBack().catch(() => false);
+      return step();
+    });
   }
 }
 

@@ -38,6 +38,8 @@ export class SpaceReserve {
    * (a stage's mkfs), and the next such call found none.
    */
   private lent = false;
+  /** Calls of this process running on the reserve lent to them (csi/space.ts). */
+  private borrowers = 0;
 
   /** `present` throws unless the pool is still there (a reserve is never written into a bare mount point). */
   constructor(
@@ -73,7 +75,8 @@ export class SpaceReserve {
     await this.present();
     const whole = await this.withFile(true, async (h, held) => {
       if (held >= RESERVE_BYTES) return true;
-      if (this.lent) return this.takeBack(h);
+      // Not while a call it was lent to still runs (in this process): that call may need every block.
+      if (this.lent) return this.borrowers === 0 && this.takeBack(h);
       const st = await fs.statfs(path.dirname(this.file));
       if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
       const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
@@ -86,24 +89,37 @@ export class SpaceReserve {
     if (whole === true) this.lent = false;
   }
 
-  /** Writes the reserve a chunk at a time for as long as the pool has room; true once it is whole. */
+  /**
+   * Lengthens the reserve a chunk at a time for as long as the pool has room; true once it is whole.
+   * What it holds is never written again (btrfs would need new blocks for it) nor cut.
+   */
   private async takeBack(h: FileHandle): Promise<boolean> {
     const chunk = randomFillSync(Buffer.allocUnsafe(CHUNK_BYTES));
-    let size = 0;
-    for (; size < RESERVE_BYTES; size += CHUNK_BYTES) {
-      const wrote = await h.write(chunk, 0, CHUNK_BYTES, size).then(
-        () => true,
+    let size = (await h.stat()).size;
+    while (size < RESERVE_BYTES) {
+      const wrote = await h.write(chunk, 0, Math.min(CHUNK_BYTES, RESERVE_BYTES - size), size).then(
+        (r) => r.bytesWritten,
         (err: unknown) => {
           const code = errnoCode(err);
-          if (code === 'ENOSPC' || code === 'EDQUOT') return false;
+          if (code === 'ENOSPC' || code === 'EDQUOT') return 0;
           throw err;
         },
       );
-      if (!wrote) break;
+      if (wrote === 0) break;
+      size += wrote;
     }
-    await h.truncate(size);
     await h.sync();
     return size >= RESERVE_BYTES;
+  }
+
+  /** Runs `step`, a call the reserve is lent to: the reserve is not taken back meanwhile. */
+  async lending<T>(step: () => Promise<T>): Promise<T> {
+    this.borrowers++;
+    try {
+      return await step();
+    } finally {
+      this.borrowers--;
+    }
   }
 
   /** Frees the reserve's blocks; false when it held none (given back already, or never written). */
