@@ -162,9 +162,11 @@ export async function growImage(
       try {
         await reserveBlocks(x, h, st.size, size - st.size, lock?.signal, true);
       } catch (err) {
-        // What it did reserve is given back: a truncate to the length the image has frees the blocks
-        // past it. Not once the lock is lost: another holder may be growing the image.
-        if (!lock?.signal.aborted) await h.truncate((await h.stat()).size);
+        // What it did reserve is given back: a truncate to the length the image had frees the blocks
+        // past it. Not once the lock is lost, nor when the length changed: another holder may be
+        // growing the image.
+        const now = (await h.stat()).size;
+        if (!lock?.signal.aborted && now === st.size) await h.truncate(now);
         throw err;
       }
     }
