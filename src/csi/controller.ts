@@ -325,7 +325,7 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
               `The pool's filesystem holds files of at most ${formatBytes(largest)}; volume ${id} cannot grow to ${formatBytes(target)}.`,
             );
           }
-          const already = Math.max(current, st.size);
+          const already = Math.max(current, roundUpMiB(st.size));
           if (range.limitBytes > 0 && already > range.limitBytes) {
             throw outOfRange(`Volume ${id} is already ${formatBytes(already)}, more than limit_bytes.`);
           }

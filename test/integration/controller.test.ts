@@ -379,6 +379,16 @@ describe('crash safety', () => {
       capacity: String(21 * MiB),
       image: 21 * MiB,
     });
+    // Rounded up, it is past a limit between the two: more than limit_bytes is OUT_OF_RANGE.
+    await fs.truncate(image, 22 * MiB + 12_345);
+    const limited = d.clients.controller.ControllerExpandVolume({
+      volume_id: id,
+      capacity_range: { required_bytes: String(16 * MiB), limit_bytes: String(22 * MiB + 65_536) },
+    });
+    expect({ code: await codeOf(limited), image: (await fs.stat(image)).size }).toEqual({
+      code: 'OUT_OF_RANGE',
+      image: 22 * MiB + 12_345,
+    });
   });
 
   it('a DeleteVolume killed after it moved the volume away is not resurrected', async () => {
