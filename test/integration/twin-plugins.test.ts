@@ -10,6 +10,7 @@ import path from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { runMain } from '../helpers/driver.js';
 import { TestEnv } from '../helpers/env.js';
+import { SLOW } from '../helpers/host.js';
 
 const env = new TestEnv();
 afterAll(async () => {
@@ -26,7 +27,9 @@ describe('two node plugins of one node at different endpoints of one directory',
       '--mode=node',
       '--nodeid=node-1',
     ];
-    const twin = await runMain(twinArgs, ['unshare', '--pid', '--fork', '--kill-child']);
+    // Bounded: one that started serving (as before this was fixed) would never exit by itself.
+    const bound = ['timeout', '-s', 'KILL', String(20 * SLOW)];
+    const twin = await runMain(twinArgs, [...bound, 'unshare', '--pid', '--fork', '--kill-child']);
     expect({ code: twin.code, said: twin.stderr.trim() }).toEqual({
       code: 1,
       said: expect.stringMatching(
