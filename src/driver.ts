@@ -62,7 +62,7 @@ export async function startDriver(
   // (taken once unchanged for a lease), never taken at once.
   const presence =
     servesNode(config) && config.nodeId !== undefined && config.endpoint.kind === 'unix'
-      ? await awaitPredecessor(config.endpoint.path, config.nodeId, log)
+      ? await awaitPredecessor(config.endpoint.path, { ...config, nodeId: config.nodeId }, log)
       : undefined;
   const role = presence?.role;
   const runner = options.runner ?? new ExecRunner();

@@ -328,13 +328,15 @@ describe.skipIf(!isRoot())('records that cannot be read', () => {
   it('counts quarantined records in a metric and lists them at start', async () => {
     const n = (await fs.readdir(quarantine())).length;
     expect(n).toBeGreaterThanOrEqual(4);
-    const again = await env.driver({ dir: base, socket: path.join(base, 'again.sock') });
+    // Controllers: a second node plugin of node-1 beside `d` would not start.
+    const again = await env.driver({ dir: base, socket: path.join(base, 'again.sock'), mode: 'controller' });
     expect(await again.waitForLog((l) => l.includes('quarantined records') && l.includes(quarantine()))).toBe(
       true,
     );
     const metrics = await env.driver({
       dir: base,
       socket: path.join(base, 'metrics.sock'),
+      mode: 'controller',
       extra: ['--metrics-address=127.0.0.1:19791'],
     });
     const text = await (await fetch('http://127.0.0.1:19791/metrics')).text();
