@@ -189,7 +189,8 @@ describe.skipIf(!top)('node-1 restarted as a DaemonSet rollout restarts it', () 
         role?: string;
         pidNs?: string;
       };
-      if (owner.role === `node:${NODE}`) out.push({ file: f, pidNs: owner.pidNs ?? '' });
+      // node:<id>@<the node's presence socket>
+      if (owner.role?.startsWith(`node:${NODE}@`)) out.push({ file: f, pidNs: owner.pidNs ?? '' });
     }
     return out;
   };
