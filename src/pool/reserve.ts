@@ -40,6 +40,7 @@ export class SpaceReserve {
   private lent = false;
   /** Calls of this process running on the reserve lent to them (csi/space.ts). */
   private borrowers = 0;
+  private queue: Promise<unknown> = Promise.resolve();
 
   /** `present` throws unless the pool is still there (a reserve is never written into a bare mount point). */
   constructor(
@@ -73,30 +74,34 @@ export class SpaceReserve {
   private async write(): Promise<void> {
     this.short = true;
     await this.present();
-    const whole = await this.withFile(true, async (h, held) => {
-      if (held >= RESERVE_BYTES) return true;
-      // Not while a call it was lent to still runs (in this process): that call may need every block.
-      if (this.lent) return this.borrowers === 0 && this.takeBack(h);
-      const st = await fs.statfs(path.dirname(this.file));
-      if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
-      const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
-      await h.write(bytes, 0, RESERVE_BYTES, 0);
-      await h.truncate(RESERVE_BYTES);
-      await h.sync();
-      return true;
-    });
+    const whole = await this.serially(() =>
+      this.withFile(true, async (h, held) => {
+        if (held >= RESERVE_BYTES) return true;
+        if (this.lent) return this.takeBack(h, held);
+        const st = await fs.statfs(path.dirname(this.file));
+        if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
+        const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
+        await h.write(bytes, 0, RESERVE_BYTES, 0);
+        await h.truncate(RESERVE_BYTES);
+        await h.sync();
+        return true;
+      }),
+    );
     this.short = whole !== true;
     if (whole === true) this.lent = false;
   }
 
   /**
-   * Lengthens the reserve a chunk at a time for as long as the pool has room; true once it is whole.
-   * What it holds is never written again (btrfs would need new blocks for it) nor cut.
+   * Lengthens the reserve a chunk at a time for as long as the pool has room and no call it was lent
+   * to (in this process) runs, which may need every block; true once it holds all its blocks. What it
+   * holds is never cut, nor written again (btrfs would need new blocks for it) unless a hole (another
+   * process gave it back while this one wrote) lies below its length.
    */
-  private async takeBack(h: FileHandle): Promise<boolean> {
+  private async takeBack(h: FileHandle, held: number): Promise<boolean> {
     const chunk = randomFillSync(Buffer.allocUnsafe(CHUNK_BYTES));
-    let size = (await h.stat()).size;
-    while (size < RESERVE_BYTES) {
+    const length = (await h.stat()).size;
+    let size = held < length ? 0 : length;
+    while (size < RESERVE_BYTES && this.borrowers === 0) {
       const wrote = await h.write(chunk, 0, Math.min(CHUNK_BYTES, RESERVE_BYTES - size), size).then(
         (r) => r.bytesWritten,
         (err: unknown) => {
@@ -109,7 +114,14 @@ export class SpaceReserve {
       size += wrote;
     }
     await h.sync();
-    return size >= RESERVE_BYTES;
+    return (await h.stat()).blocks * 512 >= RESERVE_BYTES;
+  }
+
+  /** File operations on the reserve one at a time: a give-back never lands inside a take-back. */
+  private serially<T>(op: () => Promise<T>): Promise<T> {
+    const run = this.queue.then(op, op);
+    this.queue = run.catch(() => undefined);
+    return run;
   }
 
   /** Runs `step`, a call the reserve is lent to: the reserve is not taken back meanwhile. */
@@ -124,11 +136,13 @@ export class SpaceReserve {
 
   /** Frees the reserve's blocks; false when it held none (given back already, or never written). */
   async giveBack(): Promise<boolean> {
-    const freed = await this.withFile(false, async (h, held) => {
-      if (held === 0) return false;
-      await h.truncate(0);
-      return true;
-    });
+    const freed = await this.serially(() =>
+      this.withFile(false, async (h, held) => {
+        if (held === 0) return false;
+        await h.truncate(0);
+        return true;
+      }),
+    );
     this.short = true;
     if (freed) {
       this.lent = true;

@@ -52,6 +52,32 @@ describe('the space reserve', () => {
     expect(await allocated(file)).toBeGreaterThanOrEqual(RESERVE_BYTES);
   });
 
+  it('is given back whole to a call that needs it while it is being taken back, and taken back whole after', async () => {
+    const root = await pool();
+    const file = path.join(root, 'reserve');
+    // The other call comes at some point of the take-back: at its start, after a few chunks, near its end.
+    for (const ms of [0, 1, 2, 4, 8]) {
+      const r = new SpaceReserve(root, log, here);
+      await r.refill();
+      expect(await r.giveBack()).toBe(true); // lent to a call that has ended…
+      const taking = r.refill(); // …so it is being taken back, when another call needs it
+      await new Promise((res) => setTimeout(res, ms));
+      const during = r.lending(async () => {
+        await r.giveBack();
+        return allocated(file);
+      });
+      await taking;
+      expect(await during).toBe(0);
+      await r.refillIfShort();
+      expect({
+        ms,
+        size: (await fs.stat(file)).size,
+        whole: (await allocated(file)) >= RESERVE_BYTES,
+      }).toEqual({ ms, size: RESERVE_BYTES, whole: true });
+      await r.giveBack();
+    }
+  });
+
   it.each(['symlink', 'hard link'] as const)(
     'leaves a file a %s at its name leads to as it was',
     async (kind) => {
