@@ -9,8 +9,8 @@
  * The signal is a unix socket the process listens on for its whole life (the kernel closes it when the
  * process ends, however it ends), answering with the endpoint it serves: `<endpoint>.presence` (`.lvp`
  * beside the endpoint when its path is at the 107-byte limit of a unix socket), and `.lvn-<hash of the
- * driver name, node id and pool directory>` in the endpoint's directory, which every plugin of the node
- * whose endpoint is there shares.
+ * driver name and node id>` in the endpoint's directory, which every plugin of the node whose endpoint
+ * is there shares.
  */
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
@@ -64,17 +64,14 @@ export interface Presence {
  */
 export async function awaitPredecessor(
   socketPath: string,
-  plugin: { driverName: string; nodeId: string; poolDir: string },
+  plugin: { driverName: string; nodeId: string },
   log: Logger,
 ): Promise<Presence> {
   const { nodeId } = plugin;
   const dir = path.dirname(socketPath);
   const own = [`${socketPath}.presence`, path.join(dir, '.lvp')].find(fits);
-  // The plugin of this node for this driver and pool (another pool's plugin may share the directory).
-  const hash = createHash('sha256')
-    .update([plugin.driverName, nodeId, path.resolve(plugin.poolDir)].join('\0'))
-    .digest('hex')
-    .slice(0, 16);
+  // The plugin of this node for this driver (the kubelet knows one per driver name on a node).
+  const hash = createHash('sha256').update([plugin.driverName, nodeId].join('\0')).digest('hex').slice(0, 16);
   const node = [path.join(dir, `.lvn-${hash}`)].find(fits);
   const presences = [own, node].filter((p): p is string => p !== undefined);
   if (presences.length === 0) {

@@ -67,11 +67,12 @@ describe.skipIf(!isRoot())('a volume of one pool on a node of another', () => {
       poolDir: path.join(base, 'pool-a'),
       socket: path.join(base, 'a.sock'),
     });
+    // Another installation: its own plugin directory (one node plugin of a node per directory).
     const b = await env.driver({
       dir: base,
       mode: 'node',
       poolDir: path.join(base, 'pool-b'),
-      socket: path.join(base, 'b.sock'),
+      socket: path.join(base, 'other-plugin', 'b.sock'),
     });
     const cap = mountCap('ext4');
     const res = await a.clients.controller.CreateVolume({
