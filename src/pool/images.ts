@@ -140,6 +140,16 @@ async function reserveBlocks(
   await h.sync();
 }
 
+/** Whether `lock` (none: nothing to lose) is still held, by the check a committing step makes. */
+function stillHeld(lock: HeldLock | undefined): boolean {
+  try {
+    lock?.assertHeld();
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 /**
  * Grows an image to `size` bytes (never shrinks), keeping preallocated images preallocated. `lock`, the
  * volume's, is checked right before the length is set: a process that lost it (stalled past its lease)
@@ -166,7 +176,7 @@ export async function growImage(
         // past it. Not once the lock is lost, nor when the length changed: another holder may be
         // growing the image.
         const now = (await h.stat()).size;
-        if (!lock?.signal.aborted && now === st.size) await h.truncate(now);
+        if (now === st.size && stillHeld(lock)) await h.truncate(now);
         throw err;
       }
     }
