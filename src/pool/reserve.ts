@@ -77,9 +77,10 @@ export class SpaceReserve {
     const whole = await this.serially(() =>
       this.withFile(true, async (h, held) => {
         if (held >= RESERVE_BYTES) return true;
-        if (this.lent) return this.takeBack(h, held);
+        // With room, written whole (a hole another process's give-back left is filled too); without,
+        // only one lent to a call is taken back, as far as there is room.
         const st = await fs.statfs(path.dirname(this.file));
-        if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return false;
+        if (st.bavail * st.bsize < REFILL_HEADROOM * RESERVE_BYTES) return this.lent && this.takeBack(h);
         const bytes = randomFillSync(Buffer.allocUnsafe(RESERVE_BYTES));
         await h.write(bytes, 0, RESERVE_BYTES, 0);
         await h.truncate(RESERVE_BYTES);
@@ -94,13 +95,11 @@ export class SpaceReserve {
   /**
    * Lengthens the reserve a chunk at a time for as long as the pool has room and no call it was lent
    * to (in this process) runs, which may need every block; true once it holds all its blocks. What it
-   * holds is never cut, nor written again (btrfs would need new blocks for it) unless a hole (another
-   * process gave it back while this one wrote) lies below its length.
+   * holds is never cut, nor written again (btrfs would need new blocks for it).
    */
-  private async takeBack(h: FileHandle, held: number): Promise<boolean> {
+  private async takeBack(h: FileHandle): Promise<boolean> {
     const chunk = randomFillSync(Buffer.allocUnsafe(CHUNK_BYTES));
-    const length = (await h.stat()).size;
-    let size = held < length ? 0 : length;
+    let size = (await h.stat()).size;
     while (size < RESERVE_BYTES && this.borrowers === 0) {
       const wrote = await h.write(chunk, 0, Math.min(CHUNK_BYTES, RESERVE_BYTES - size), size).then(
         (r) => r.bytesWritten,

@@ -323,6 +323,14 @@ describe.each(['ext4', 'xfs', 'btrfs'] as const)('the space reserve of a full %s
     const kept = await held();
     await reserve.refill();
     expect(await held()).toBeGreaterThanOrEqual(kept);
+    // Lent again, to a call still running: not taken back meanwhile, whatever ends beside it.
+    await reserve.lending(async () => {
+      expect(await reserve.giveBack()).toBe(true);
+      await reserve.refillIfShort();
+      expect(await held()).toBe(0);
+    });
+    await reserve.refillIfShort();
+    expect(await held()).toBeGreaterThanOrEqual(kept);
     expect(await reserve.giveBack()).toBe(true);
   });
 });

@@ -38,20 +38,6 @@ describe('the space reserve', () => {
     expect(await allocated(file)).toBeGreaterThanOrEqual(RESERVE_BYTES);
   });
 
-  it('is not taken back while a call it was lent to runs, and is at once after', async () => {
-    const root = await pool();
-    const r = new SpaceReserve(root, log, here);
-    await r.refill();
-    const file = path.join(root, 'reserve');
-    await r.lending(async () => {
-      expect(await r.giveBack()).toBe(true);
-      await r.refillIfShort(); // another call's end, beside this one
-      expect(await allocated(file)).toBe(0);
-    });
-    await r.refillIfShort();
-    expect(await allocated(file)).toBeGreaterThanOrEqual(RESERVE_BYTES);
-  });
-
   it('is given back whole to a call that needs it while it is being taken back, and taken back whole after', async () => {
     const root = await pool();
     const file = path.join(root, 'reserve');
