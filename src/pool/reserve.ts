@@ -18,7 +18,7 @@ import { constants } from 'node:fs';
 import fs, { type FileHandle } from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { errnoCode } from '../errors.js';
+import { errnoCode, isNoSpace } from '../errors.js';
 
 export const RESERVE_FILE = 'reserve';
 export const RESERVE_BYTES = 4 * 1024 * 1024;
@@ -104,8 +104,7 @@ export class SpaceReserve {
       const wrote = await h.write(chunk, 0, Math.min(CHUNK_BYTES, RESERVE_BYTES - size), size).then(
         (r) => r.bytesWritten,
         (err: unknown) => {
-          const code = errnoCode(err);
-          if (code === 'ENOSPC' || code === 'EDQUOT') return 0;
+          if (isNoSpace(err)) return 0;
           throw err;
         },
       );
