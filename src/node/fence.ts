@@ -103,6 +103,14 @@ export class FenceGuard {
   }
 
   /**
+   * Whether `loop` is known to be a fence of volume `volumeId` (frozen for good already, so neither
+   * frozen again nor taken for a filesystem someone may write): an unreadable record proves nothing.
+   */
+  isRecordedFence(loop: LoopDevice, volumeId: string): boolean {
+    return this.knowsFences && this.isFenced(loop, volumeId);
+  }
+
+  /**
    * Whether `loop` is a fence this node recorded: of volume `volumeId` when given (to skip freezing it,
    * so a device number another volume's fence once had never counts), of any volume otherwise (to
    * never thaw it).
@@ -203,11 +211,10 @@ export class FenceGuard {
       }
       // Fenced by this node's own record: an unreadable record proves nothing here (every filesystem
       // writable is frozen again, and nothing is confirmed until the record is repaired).
-      const recorded = (l: LoopDevice): boolean => this.knowsFences && this.isFenced(l, id);
       let froze = 0;
       let hidden: LoopDevice | undefined;
       for (const loop of loops) {
-        if (recorded(loop)) continue;
+        if (this.isRecordedFence(loop, id)) continue;
         const writable = on.mounts.find(
           (m) => !isDeviceBind(m) && !m.superOptions.includes('ro') && loopOfMount(m, [loop]),
         );
@@ -277,7 +284,7 @@ export class FenceGuard {
         return;
       }
       const how =
-        froze > 0 || loops.some(recorded)
+        froze > 0 || loops.some((l) => this.isRecordedFence(l, id))
           ? 'froze its filesystem for good'
           : 'nothing of it was writable here';
       if (!releasedByOthers)

@@ -272,8 +272,6 @@ export class QuiesceAgent {
           `${doubtful.map((l) => l.path).join(', ')}, which this node's lease of the volume names, may be the volume (its backing file cannot be told apart from the image); it cannot be frozen`,
         );
       }
-      // Known to be fenced (frozen for good): an unreadable record of fences proves nothing either way.
-      const fenced = (l: LoopDevice): boolean => this.guard.knowsFences && this.guard.isFenced(l, r.volumeId);
       if (!writable) {
         if (lease?.accessType === 'block' && loop && !loop.readOnly) {
           return answer('not-freezable', 'staged as a raw block device: no filesystem to freeze');
@@ -281,7 +279,12 @@ export class QuiesceAgent {
         // A filesystem holding a device of the volume with no mount this plugin can see (mounted in a
         // mount namespace that outlived the host's mounts) may be written, and cannot be frozen.
         for (const l of mine) {
-          if (l.readOnly || fenced(l) || on.mounts.some((m) => loopOfMount(m, [l]))) continue;
+          if (
+            l.readOnly ||
+            this.guard.isRecordedFence(l, r.volumeId) ||
+            on.mounts.some((m) => loopOfMount(m, [l]))
+          )
+            continue;
           if (await this.d.host.claimed(l.path)) {
             return answer(
               'failed',
@@ -294,7 +297,7 @@ export class QuiesceAgent {
       const wloop = mine.find((l) => l.path === writable.source);
       if (!wloop) return answer('not-staged', 'not mounted for writing on this node');
       // Fenced: frozen for good already, which is frozen enough for any copy (and never thawed).
-      if (fenced(wloop)) return answer('frozen', 'frozen for good (fenced)');
+      if (this.guard.isRecordedFence(wloop, r.volumeId)) return answer('frozen', 'frozen for good (fenced)');
       // A fence is never thawed, so nothing is frozen for a copy that might be one.
       if (!this.guard.knowsFences) {
         return answer(
