@@ -318,14 +318,15 @@ export function controllerService(d: ControllerDeps): Methods<ControllerHandlers
           // ext4 after making the image longer) is rounded up, as every capacity is.
           const image = volumes.imagePath(id);
           const st = await fs.stat(image);
-          const target = Math.max(requested, current, roundUpMiB(st.size));
+          const imageSize = roundUpMiB(st.size);
+          const target = Math.max(requested, current, imageSize);
           const largest = await d.pool.fs.maxFileSize();
           if (target > largest) {
             throw outOfRange(
               `The pool's filesystem holds files of at most ${formatBytes(largest)}; volume ${id} cannot grow to ${formatBytes(target)}.`,
             );
           }
-          const already = Math.max(current, roundUpMiB(st.size));
+          const already = Math.max(current, imageSize);
           if (range.limitBytes > 0 && already > range.limitBytes) {
             throw outOfRange(`Volume ${id} is already ${formatBytes(already)}, more than limit_bytes.`);
           }
