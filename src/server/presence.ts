@@ -72,7 +72,8 @@ export async function awaitPredecessor(
   const own = [`${socketPath}.presence`, path.join(dir, '.lvp')].find(fits);
   // The plugin of this node for this driver (the kubelet knows one per driver name on a node).
   const hash = createHash('sha256').update([plugin.driverName, nodeId].join('\0')).digest('hex').slice(0, 16);
-  const node = [path.join(dir, `.lvn-${hash}`)].find(fits);
+  const lvn = path.join(dir, `.lvn-${hash}`);
+  const node = fits(lvn) ? lvn : undefined;
   const presences = [own, node].filter((p): p is string => p !== undefined);
   if (presences.length === 0) {
     log.warn(
